@@ -103,7 +103,8 @@ def _family_default(config: Mapping[str, Any], key: str, index: int) -> int:
     model_type = config.get("model_type")
     if model_type not in _FAMILY_DEFAULTS:
         raise InvalidArgument(
-            f"base model config: {key!r} is missing and model_type {model_type!r} has no known default"
+            f"base model config: {key!r} is missing and model_type {model_type!r} "
+            "has no known default"
         )
     return _FAMILY_DEFAULTS[model_type][index]
 
