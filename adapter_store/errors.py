@@ -1,4 +1,9 @@
-"""Domain errors that carry their gRPC status code; the servicer layer maps them to statuses."""
+"""Domain errors that carry their gRPC status code.
+
+Handlers raise these; one interceptor (`adapter_store.grpc_errors`) turns them into a
+status with the message. The message is for a person: it names the key, field or shape that
+is wrong, never a stack trace. Shared by both services.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import grpc
 
 
 class LoraserveError(Exception):
-    """Base error: the message is shown to the client, so it must say what to fix."""
+    """Base of all domain errors; `code` is the gRPC status the client sees."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
@@ -41,3 +46,7 @@ class Unauthenticated(LoraserveError):
 
 class PermissionDenied(LoraserveError):
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unimplemented(LoraserveError):
+    code = grpc.StatusCode.UNIMPLEMENTED

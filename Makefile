@@ -1,0 +1,47 @@
+# loraserve developer commands. `make test` and `make demo` are the two a newcomer needs.
+SHELL := /bin/bash
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+# The GPU machine has its own python3 with torch/triton/transformers/peft preinstalled.
+GPU_PY ?= python3
+PYTEST_ARGS ?=
+STAMP := $(VENV)/.installed
+
+.PHONY: setup protos fmt lint test gpu-test bench demo clean
+
+# Idempotent: rebuilds the venv only when the project's requirements change.
+setup: $(STAMP)
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and exactly: the CPU build on local disk, not a multi-GB CUDA download.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+protos: setup
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
+		protos/adapter_store.proto protos/inference.proto
+
+fmt: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: setup
+	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+gpu-test:
+	$(GPU_PY) -m pytest -m gpu -p no:cacheprovider $(PYTEST_ARGS) tests
+
+bench:
+	bash bench/run_all.sh
+
+demo:
+	@echo "make demo: not yet - the embedded trained model and demo script land with issue 8"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,26 @@
+"""`python -m adapter_store.rpc.healthcheck HOST:PORT`: exit 0 when the server is SERVING.
+
+Used by compose healthchecks (the images have no grpc_health_probe binary).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def is_serving(address: str, timeout_s: float = 3.0) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+if __name__ == "__main__":
+    sys.exit(0 if is_serving(sys.argv[1]) else 1)
