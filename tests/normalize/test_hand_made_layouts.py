@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from adapter_store.normalize import normalize_peft
-from tests.fixtures.tiny_models import tiny_config
+from tests.fixtures.tiny_models import build_tiny_model, tiny_config
 from tests.normalize.hand_made import PREFIX, lora_pair, peft_files
+from tests.normalize.peft_adapters import merged_base_model
 
 CONFIG = tiny_config("v3_q_lora").to_dict()  # hidden 64, inter 96, moe_inter 32, E 8, 3 layers
 HIDDEN, INTER, MOE_INTER, E = 64, 96, 32, 8
@@ -167,3 +168,40 @@ def test_shared_outer_mixed_with_per_expert_is_broadcast() -> None:
     lora_A = tensors[f"{PREFIX}.1.mlp.experts.gate_up_proj.lora_A.weight"]
     lora_B = tensors[f"{PREFIX}.1.mlp.experts.gate_up_proj.lora_B.weight"]
     torch.testing.assert_close(adapter.delta_weight(1, "moe.gate_up"), 2.0 * lora_B @ lora_A, **TOL)
+
+
+def test_model_logits_dense_and_shared_mlp_adapter() -> None:
+    """Model level, for the layout PEFT will not build: the base model running the hand-made
+    LoRA by its definition (forward hooks adding s·B·A·x) == base + canonical ΔW merged."""
+    g = torch.Generator().manual_seed(4)
+    paths = {
+        "0.mlp.gate_proj": (HIDDEN, INTER),
+        "0.mlp.down_proj": (INTER, HIDDEN),
+        "1.mlp.shared_experts.up_proj": (HIDDEN, MOE_INTER),
+        "2.mlp.shared_experts.gate_proj": (HIDDEN, MOE_INTER),
+        "2.mlp.shared_experts.down_proj": (MOE_INTER, HIDDEN),
+    }
+    tensors = {}
+    for path, (fan_in, fan_out) in paths.items():
+        pair = lora_pair(g, f"{PREFIX}.{path}", 4, fan_in, fan_out)
+        tensors |= {key: value * 0.3 for key, value in pair.items()}
+    adapter = normalize_peft(peft_files(tensors), CONFIG, base_model="t", max_rank=4)
+
+    oracle = build_tiny_model("v3_q_lora")
+    for path in paths:
+        layer, module_path = path.split(".", 1)
+        lora_A = tensors[f"{PREFIX}.{path}.lora_A.weight"]
+        lora_B = tensors[f"{PREFIX}.{path}.lora_B.weight"]
+
+        def add_lora(module, inputs, output, lora_A=lora_A, lora_B=lora_B):
+            return output + 2.0 * (inputs[0] @ lora_A.T) @ lora_B.T
+
+        oracle.model.layers[int(layer)].get_submodule(module_path).register_forward_hook(add_lora)
+    merged = merged_base_model("v3_q_lora", adapter)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 9), generator=g)
+    with torch.no_grad():
+        expected = oracle(input_ids=tokens).logits
+        found = merged(input_ids=tokens).logits
+        base = build_tiny_model("v3_q_lora")(input_ids=tokens).logits
+    assert (expected - base).abs().max() > 0.1, "the adapter should change the logits"
+    torch.testing.assert_close(found, expected, atol=2e-5, rtol=1e-4)
