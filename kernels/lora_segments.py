@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 NO_SLOT = -1
@@ -77,6 +79,18 @@ class LoraSegments:
             self.seg_slot.is_cuda and torch.cuda.is_current_stream_capturing()  # type: ignore[no-untyped-call]
         )
         return self.max_segments if capturing else max(self.num_live_segments, 1)
+
+
+@triton.jit
+def load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr):
+    """(slot, rank, first token, end token) of segment `seg` inside a kernel; rank is 0 when
+    the segment has no work (slot -1, empty padding segment or empty slot)."""
+    slot = tl.load(seg_slot_ptr + seg)
+    t_start = tl.load(seg_indptr_ptr + seg)
+    t_end = tl.load(seg_indptr_ptr + seg + 1)
+    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where((slot >= 0) & (t_end > t_start), rank, 0)
+    return slot, rank, t_start, t_end
 
 
 def allocate_lora_segments(config: LoraSegmentsConfig, device: torch.device | str) -> LoraSegments:

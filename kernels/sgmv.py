@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.lora_segments import LoraSegments
+from kernels.lora_segments import LoraSegments, load_segment
 
 # Expand supports this many stacked slices (DeepSeek needs 2: qkv_a, gate_up).
 MAX_SLICES = 3
@@ -56,12 +56,7 @@ def _sgmv_shrink_kernel(
     seg = tl.program_id(0)
     pid_sr = tl.program_id(1)  # slice * rank_blocks + rank_block
     pid_k = tl.program_id(2)
-    slot = tl.load(seg_slot_ptr + seg)
-    t_start = tl.load(seg_indptr_ptr + seg)
-    t_end = tl.load(seg_indptr_ptr + seg + 1)
-    if slot < 0 or t_end <= t_start:
-        return
-    rank = tl.load(slot_rank_ptr + slot)
+    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
     rank_blocks = tl.cdiv(R, BLOCK_R)
     slice_idx = pid_sr // rank_blocks
     r_start = (pid_sr % rank_blocks) * BLOCK_R
@@ -125,12 +120,7 @@ def _sgmv_expand_kernel(
 ):
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = tl.load(seg_slot_ptr + seg)
-    t_start = tl.load(seg_indptr_ptr + seg)
-    t_end = tl.load(seg_indptr_ptr + seg + 1)
-    if slot < 0 or t_end <= t_start:
-        return
-    rank = tl.load(slot_rank_ptr + slot)
+    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
     if rank == 0:
         return
     # Column blocks never straddle a slice: blocks [sliceI_block, ...) belong to slice I.
@@ -303,10 +293,9 @@ def sgmv_shrink_ref(x: Tensor, A: Tensor, segs: LoraSegments, num_slices: int = 
     num_tokens = x.shape[0]
     pool_rank = A.shape[1] // num_slices
     slot = segs.token_slot[:num_tokens].long()  # [T]
-    a = A[slot.clamp(min=0)]  # [T, S*R, in]
-    y = torch.bmm(a, x.unsqueeze(2)).squeeze(2)  # [T, S*R]
     keep = _rank_mask(segs, slot, pool_rank).repeat(1, num_slices)  # [T, S*R]
-    return y * keep.to(y.dtype)
+    a = torch.where(keep[:, :, None], A[slot.clamp(min=0)], 0)  # [T, S*R, in]
+    return torch.bmm(a, x.unsqueeze(2)).squeeze(2)  # [T, S*R]
 
 
 def sgmv_expand_ref(
@@ -316,10 +305,10 @@ def sgmv_expand_ref(
     num_tokens = out.shape[0]
     pool_rank = B.shape[2]
     slot = segs.token_slot[:num_tokens].long()  # [T]
-    keep = _rank_mask(segs, slot, pool_rank).to(B.dtype)  # [T, R]
-    b = B[slot.clamp(min=0)]  # [T, out_total, R]
+    keep = _rank_mask(segs, slot, pool_rank)  # [T, R]
+    b = torch.where(keep[:, None, :], B[slot.clamp(min=0)], 0)  # [T, out_total, R]
     for i, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:], strict=False)):
-        y_i = y[:, i * pool_rank : (i + 1) * pool_rank].to(B.dtype) * keep  # [T, R]
+        y_i = torch.where(keep, y[:, i * pool_rank : (i + 1) * pool_rank], 0).to(B.dtype)
         delta = torch.bmm(b[:, lo:hi], y_i.unsqueeze(2)).squeeze(2)  # [T, out_i]
         out[:, lo:hi] += delta.to(out.dtype)
     return out
