@@ -71,6 +71,11 @@ class LoraSegments:
     def max_segments(self) -> int:
         return self.seg_slot.shape[0]
 
+    def require_tokens(self, num_tokens: int) -> None:
+        """Launchers call this: the activations must hold exactly the described tokens."""
+        if num_tokens != self.num_tokens:
+            raise ValueError(f"tensor has {num_tokens} tokens, segments describe {self.num_tokens}")
+
     def grid_segments(self) -> int:
         """Segment programs a launcher starts: the live count, or the capacity while a CUDA
         graph is captured so that replays with more segments are covered (the padding
@@ -91,6 +96,13 @@ def load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr):
     rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
     rank = tl.where((slot >= 0) & (t_end > t_start), rank, 0)
     return slot, rank, t_start, t_end
+
+
+def live_rank_columns(slot_rank: Tensor, slot: Tensor, pool_rank: int) -> Tensor:
+    """[*slot.shape, R] bool for the torch references: rank column r is used by the adapter
+    in `slot` (r < its true rank); all false for slot -1."""
+    rank = torch.where(slot >= 0, slot_rank[slot.clamp(min=0).long()], 0)
+    return torch.arange(pool_rank, device=slot.device) < rank.unsqueeze(-1)
 
 
 def allocate_lora_segments(config: LoraSegmentsConfig, device: torch.device | str) -> LoraSegments:

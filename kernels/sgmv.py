@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.lora_segments import LoraSegments, load_segment
+from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
 
 # Expand supports this many stacked slices (DeepSeek needs 2: qkv_a, gate_up).
 MAX_SLICES = 3
@@ -190,7 +190,7 @@ def sgmv_shrink(
     if A.shape[2] != k_dim or A.shape[1] % num_slices:
         raise ValueError(f"A {tuple(A.shape)} does not fit x {tuple(x.shape)}, {num_slices} slices")
     pool_rank = A.shape[1] // num_slices
-    _check_tokens(num_tokens, segs)
+    segs.require_tokens(num_tokens)
     if out is None:
         out = torch.zeros(num_tokens, num_slices * pool_rank, dtype=torch.float32, device=x.device)
     else:
@@ -256,7 +256,7 @@ def sgmv_expand(
         raise ValueError(f"slice_offsets {list(slice_offsets)} must ascend strictly")
     if y.shape != (num_tokens, num_slices * pool_rank):
         raise ValueError(f"y {tuple(y.shape)} != [{num_tokens}, {num_slices * pool_rank}]")
-    _check_tokens(num_tokens, segs)
+    segs.require_tokens(num_tokens)
     if num_tokens == 0:
         return out
     block_n = 128 if out_total >= 4096 else 64
@@ -293,7 +293,7 @@ def sgmv_shrink_ref(x: Tensor, A: Tensor, segs: LoraSegments, num_slices: int = 
     num_tokens = x.shape[0]
     pool_rank = A.shape[1] // num_slices
     slot = segs.token_slot[:num_tokens].long()  # [T]
-    keep = _rank_mask(segs, slot, pool_rank).repeat(1, num_slices)  # [T, S*R]
+    keep = live_rank_columns(segs.slot_rank, slot, pool_rank).repeat(1, num_slices)  # [T, S*R]
     a = torch.where(keep[:, :, None], A[slot.clamp(min=0)], 0)  # [T, S*R, in]
     return torch.bmm(a, x.unsqueeze(2)).squeeze(2)  # [T, S*R]
 
@@ -305,7 +305,7 @@ def sgmv_expand_ref(
     num_tokens = out.shape[0]
     pool_rank = B.shape[2]
     slot = segs.token_slot[:num_tokens].long()  # [T]
-    keep = _rank_mask(segs, slot, pool_rank)  # [T, R]
+    keep = live_rank_columns(segs.slot_rank, slot, pool_rank)  # [T, R]
     b = torch.where(keep[:, None, :], B[slot.clamp(min=0)], 0)  # [T, out_total, R]
     for i, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:], strict=False)):
         y_i = torch.where(keep, y[:, i * pool_rank : (i + 1) * pool_rank], 0).to(B.dtype)
@@ -314,19 +314,8 @@ def sgmv_expand_ref(
     return out
 
 
-def _rank_mask(segs: LoraSegments, slot: Tensor, pool_rank: int) -> Tensor:
-    """[T, R] bool: rank column r is live for token t (false for slot -1 tokens)."""
-    rank = torch.where(slot >= 0, segs.slot_rank[slot.clamp(min=0)], 0)  # [T]
-    return torch.arange(pool_rank, device=slot.device)[None, :] < rank[:, None]
-
-
 def _check_pool(w: Tensor, dtype: torch.dtype, ndim: int, name: str) -> None:
     if w.dim() != ndim or w.dtype != dtype:
         raise ValueError(f"{name} must be {ndim}-D {dtype}, got {tuple(w.shape)} {w.dtype}")
     if w.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim, strides {w.stride()}")
-
-
-def _check_tokens(num_tokens: int, segs: LoraSegments) -> None:
-    if num_tokens != segs.num_tokens:
-        raise ValueError(f"tensor has {num_tokens} tokens, segments describe {segs.num_tokens}")
