@@ -26,111 +26,38 @@ from kernels.sgmv import dot_precision
 
 
 @triton.jit
-def _mla_kv_b_lora_q_kernel(
-    q_nope_ptr,
-    q_lat_ptr,
-    a_ptr,
-    b_ptr,
+def _mla_absorbed_lora_kernel(
+    x_ptr,
+    out_ptr,
+    w1_ptr,
+    w2_ptr,
     seg_indptr_ptr,
     seg_slot_ptr,
     slot_rank_ptr,
-    NOPE,
-    V,
-    C,
-    stride_nt,
-    stride_nh,
-    stride_nd,
-    stride_lt,
-    stride_lh,
-    stride_lc,
-    stride_as,
-    stride_ar,
-    stride_ac,
-    stride_bs,
-    stride_bn,
-    stride_br,
-    BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    seg = tl.program_id(0)
-    head = tl.program_id(1)
-    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
-    if rank == 0:
-        return
-    offs_t = t_start + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < t_end
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rank
-    b_k = b_ptr + slot.to(tl.int64) * stride_bs + head * (NOPE + V) * stride_bn
-    z = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)  # [t, r] = q_nope · B_k
-    for d in range(0, NOPE, BLOCK_D):
-        offs_d = d + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < NOPE
-        q = tl.load(
-            q_nope_ptr
-            + offs_t[:, None] * stride_nt
-            + head * stride_nh
-            + offs_d[None, :] * stride_nd,
-            mask=mask_t[:, None] & mask_d[None, :],
-            other=0.0,
-        )  # [t, d]
-        b = tl.load(
-            b_k + offs_d[:, None] * stride_bn + offs_r[None, :] * stride_br,
-            mask=mask_d[:, None] & mask_r[None, :],
-            other=0.0,
-        )  # [d, r]
-        z = tl.dot(q, b, z, input_precision=DOT_PRECISION)
-    a_slot = a_ptr + slot.to(tl.int64) * stride_as
-    for c in range(0, C, BLOCK_C):
-        offs_c = c + tl.arange(0, BLOCK_C)
-        mask_c = offs_c < C
-        a = tl.load(
-            a_slot + offs_r[:, None] * stride_ar + offs_c[None, :] * stride_ac,
-            mask=mask_r[:, None] & mask_c[None, :],
-            other=0.0,
-        )  # [r, c]
-        delta = tl.dot(z.to(a.dtype), a, input_precision=DOT_PRECISION)  # [t, c]
-        lat_ptrs = (
-            q_lat_ptr + offs_t[:, None] * stride_lt + head * stride_lh + offs_c[None, :] * stride_lc
-        )
-        lat_mask = mask_t[:, None] & mask_c[None, :]
-        prev = tl.load(lat_ptrs, mask=lat_mask, other=0.0)
-        tl.store(lat_ptrs, (prev.to(tl.float32) + delta).to(prev.dtype), mask=lat_mask)
-
-
-@triton.jit
-def _mla_kv_b_lora_o_kernel(
-    o_lat_ptr,
-    o_ptr,
-    a_ptr,
-    b_ptr,
-    seg_indptr_ptr,
-    seg_slot_ptr,
-    slot_rank_ptr,
-    NOPE,
-    V,
-    C,
-    stride_lt,
-    stride_lh,
-    stride_lc,
+    IN,
+    OUT,
+    stride_xt,
+    stride_xh,
+    stride_xi,
     stride_ot,
     stride_oh,
-    stride_ov,
-    stride_as,
-    stride_ar,
-    stride_ac,
-    stride_bs,
-    stride_bn,
-    stride_br,
+    stride_oo,
+    stride_w1s,
+    stride_w1h,
+    stride_w1i,
+    stride_w1r,
+    stride_w2s,
+    stride_w2h,
+    stride_w2r,
+    stride_w2o,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_IN: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """out[t,h,:] += (x[t,h,:] · w1[slot,h]) · w2[slot,h] for one (segment, head): both
+    corrections are this shape, with A and B's k / v part in the w1 / w2 roles."""
     seg = tl.program_id(0)
     head = tl.program_id(1)
     slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
@@ -140,41 +67,38 @@ def _mla_kv_b_lora_o_kernel(
     mask_t = offs_t < t_end
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
-    a_slot = a_ptr + slot.to(tl.int64) * stride_as
-    z = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)  # [t, r] = o_lat · Aᵀ
-    for c in range(0, C, BLOCK_C):
-        offs_c = c + tl.arange(0, BLOCK_C)
-        mask_c = offs_c < C
-        lat = tl.load(
-            o_lat_ptr
-            + offs_t[:, None] * stride_lt
-            + head * stride_lh
-            + offs_c[None, :] * stride_lc,
-            mask=mask_t[:, None] & mask_c[None, :],
+    w1 = w1_ptr + slot.to(tl.int64) * stride_w1s + head * stride_w1h
+    z = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)  # [t, r]
+    for i in range(0, IN, BLOCK_IN):
+        offs_i = i + tl.arange(0, BLOCK_IN)
+        mask_i = offs_i < IN
+        x = tl.load(
+            x_ptr + offs_t[:, None] * stride_xt + head * stride_xh + offs_i[None, :] * stride_xi,
+            mask=mask_t[:, None] & mask_i[None, :],
             other=0.0,
-        )  # [t, c]
-        a = tl.load(
-            a_slot + offs_c[:, None] * stride_ac + offs_r[None, :] * stride_ar,
-            mask=mask_c[:, None] & mask_r[None, :],
+        )  # [t, i]
+        w = tl.load(
+            w1 + offs_i[:, None] * stride_w1i + offs_r[None, :] * stride_w1r,
+            mask=mask_i[:, None] & mask_r[None, :],
             other=0.0,
-        )  # [c, r]
-        z = tl.dot(lat, a, z, input_precision=DOT_PRECISION)
-    b_v = b_ptr + slot.to(tl.int64) * stride_bs + (head * (NOPE + V) + NOPE) * stride_bn
-    for v in range(0, V, BLOCK_V):
-        offs_v = v + tl.arange(0, BLOCK_V)
-        mask_v = offs_v < V
-        b = tl.load(
-            b_v + offs_v[None, :] * stride_bn + offs_r[:, None] * stride_br,
-            mask=mask_v[None, :] & mask_r[:, None],
+        )  # [i, r]
+        z = tl.dot(x, w, z, input_precision=DOT_PRECISION)
+    w2 = w2_ptr + slot.to(tl.int64) * stride_w2s + head * stride_w2h
+    for o in range(0, OUT, BLOCK_OUT):
+        offs_o = o + tl.arange(0, BLOCK_OUT)
+        mask_o = offs_o < OUT
+        w = tl.load(
+            w2 + offs_r[:, None] * stride_w2r + offs_o[None, :] * stride_w2o,
+            mask=mask_r[:, None] & mask_o[None, :],
             other=0.0,
-        )  # [r, v]
-        delta = tl.dot(z.to(b.dtype), b, input_precision=DOT_PRECISION)  # [t, v]
-        o_ptrs = (
-            o_ptr + offs_t[:, None] * stride_ot + head * stride_oh + offs_v[None, :] * stride_ov
+        )  # [r, o]
+        delta = tl.dot(z.to(w.dtype), w, input_precision=DOT_PRECISION)  # [t, o]
+        out_ptrs = (
+            out_ptr + offs_t[:, None] * stride_ot + head * stride_oh + offs_o[None, :] * stride_oo
         )
-        o_mask = mask_t[:, None] & mask_v[None, :]
-        prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
-        tl.store(o_ptrs, (prev.to(tl.float32) + delta).to(prev.dtype), mask=o_mask)
+        out_mask = mask_t[:, None] & mask_o[None, :]
+        prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(prev.dtype), mask=out_mask)
 
 
 def mla_kv_b_lora_q(
@@ -198,26 +122,15 @@ def mla_kv_b_lora_q(
         )
     if num_tokens == 0:
         return q_lat
-    _mla_kv_b_lora_q_kernel[(segs.grid_segments(), num_heads)](
+    head_rows = nope + v_dim
+    # w1 = B's k part of head h as [D, R]; w2 = A as [R, C] (shared by all heads).
+    _launch(
         q_nope,
         q_lat,
-        A,
-        B,
-        segs.seg_indptr,
-        segs.seg_slot,
-        segs.slot_rank,
-        nope,
-        v_dim,
-        A.shape[2],
-        *q_nope.stride(),
-        *q_lat.stride(),
-        *A.stride(),
-        *B.stride(),
-        BLOCK_T=segs.max_seg_len,
-        BLOCK_R=_full_rank_block(A.shape[1]),
-        BLOCK_D=min(triton.next_power_of_2(max(nope, 16)), 128),
-        BLOCK_C=128,
-        DOT_PRECISION=dot_precision(A.dtype),
+        (B, (B.stride(0), head_rows * B.stride(1), B.stride(1), B.stride(2))),
+        (A, (A.stride(0), 0, A.stride(1), A.stride(2))),
+        A.shape[1],
+        segs,
     )
     return q_lat
 
@@ -239,26 +152,15 @@ def mla_kv_b_lora_o(o_lat: Tensor, o: Tensor, A: Tensor, B: Tensor, segs: LoraSe
         raise ValueError(f"o_lat {tuple(o_lat.shape)} / o {tuple(o.shape)} do not fit A, B")
     if num_tokens == 0:
         return o
-    _mla_kv_b_lora_o_kernel[(segs.grid_segments(), num_heads)](
+    head_rows = nope + v_dim
+    # w1 = Aᵀ as [C, R] (shared by all heads); w2 = B's v part of head h as [R, V].
+    _launch(
         o_lat,
         o,
-        A,
-        B,
-        segs.seg_indptr,
-        segs.seg_slot,
-        segs.slot_rank,
-        nope,
-        v_dim,
-        A.shape[2],
-        *o_lat.stride(),
-        *o.stride(),
-        *A.stride(),
-        *B.stride(),
-        BLOCK_T=segs.max_seg_len,
-        BLOCK_R=_full_rank_block(A.shape[1]),
-        BLOCK_V=min(triton.next_power_of_2(max(v_dim, 16)), 128),
-        BLOCK_C=128,
-        DOT_PRECISION=dot_precision(A.dtype),
+        (A, (A.stride(0), 0, A.stride(2), A.stride(1))),
+        (B[:, nope:], (B.stride(0), head_rows * B.stride(1), B.stride(2), B.stride(1))),
+        A.shape[1],
+        segs,
     )
     return o
 
@@ -298,9 +200,37 @@ def _gather_kv_b_A(A: Tensor, segs: LoraSegments, num_tokens: int) -> tuple[Tens
     return slot, keep, a
 
 
-def _full_rank_block(pool_rank: int) -> int:
-    # One tile spans the whole pool rank: the rank-sized intermediate stays in registers.
-    return max(triton.next_power_of_2(pool_rank), 16)
+def _launch(
+    x: Tensor,
+    out: Tensor,
+    w1: tuple[Tensor, tuple[int, int, int, int]],
+    w2: tuple[Tensor, tuple[int, int, int, int]],
+    pool_rank: int,
+    segs: LoraSegments,
+) -> None:
+    """Run the absorbed kernel; w1/w2 come with (slot, head, row, col) strides."""
+    (w1_tensor, w1_strides), (w2_tensor, w2_strides) = w1, w2
+    _mla_absorbed_lora_kernel[(segs.grid_segments(), x.shape[1])](
+        x,
+        out,
+        w1_tensor,
+        w2_tensor,
+        segs.seg_indptr,
+        segs.seg_slot,
+        segs.slot_rank,
+        x.shape[2],
+        out.shape[2],
+        *x.stride(),
+        *out.stride(),
+        *w1_strides,
+        *w2_strides,
+        BLOCK_T=segs.max_seg_len,
+        # One tile spans the whole pool rank: the rank-sized intermediate stays in registers.
+        BLOCK_R=max(triton.next_power_of_2(pool_rank), 16),
+        BLOCK_IN=min(triton.next_power_of_2(max(x.shape[2], 16)), 128),
+        BLOCK_OUT=min(triton.next_power_of_2(max(out.shape[2], 16)), 128),
+        DOT_PRECISION=dot_precision(x.dtype),
+    )
 
 
 def _check_kv_b(
