@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.lora_segments import build_lora_segments
+from kernels.lora_segments import LoraSegments, build_lora_segments
 from kernels.mla_lora import (
     mla_kv_b_lora_o,
     mla_kv_b_lora_o_ref,
@@ -95,29 +95,33 @@ class Setup:
     bytes_moved: int
 
 
-def _token_slots(tokens: int, adapters: int, num_slots: int, gen: torch.Generator) -> list[int]:
-    """`adapters` distinct random slots, tokens grouped contiguously by slot."""
+@dataclass
+class Batch:
+    slots: list[int]  # slot per token, grouped contiguously by slot
+    segs: LoraSegments
+    groups: list[tuple[int, torch.Tensor]]  # (slot, token indices) for the naive loop
+
+
+def _batch(tokens: int, adapters: int, num_slots: int, rank: int, device: torch.device) -> Batch:
+    """`adapters` distinct random slots of a pool whose adapters all have `rank`."""
+    gen = torch.Generator().manual_seed(tokens * 1000 + adapters)
     chosen = torch.randperm(num_slots, generator=gen)[:adapters]
-    return sorted(chosen[torch.arange(tokens) % adapters].tolist())
-
-
-def _groups(slots: list[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
-    """(slot, token indices) per distinct slot, for the naive per-adapter loop."""
-    return [
+    slots = sorted(chosen[torch.arange(tokens) % adapters].tolist())
+    segs = build_lora_segments(slots, [rank] * num_slots, device=device)
+    groups = [
         (s, torch.tensor([t for t, v in enumerate(slots) if v == s], device=device))
         for s in sorted(set(slots))
     ]
+    return Batch(slots, segs, groups)
 
 
 def setup_sgmv(
     op: str, m: ModelShape, tokens: int, adapters: int, rank: int, device: torch.device
 ) -> Setup:
     """Shrink [T, hidden] -> [T, r] or expand [T, r] -> += [T, hidden], one slice."""
-    gen = torch.Generator().manual_seed(0)
     bf16 = {"device": device, "dtype": torch.bfloat16}
-    slots = _token_slots(tokens, adapters, SGMV_SLOTS, gen)
-    segs = build_lora_segments(slots, [rank] * SGMV_SLOTS, device=device)
-    groups = _groups(slots, device)
+    batch = _batch(tokens, adapters, SGMV_SLOTS, rank, device)
+    segs, groups = batch.segs, batch.groups
     x = torch.randn(tokens, m.hidden, **bf16)
     y = torch.randn(tokens, rank, device=device)
     out = torch.zeros(tokens, m.hidden, **bf16)
@@ -159,11 +163,9 @@ def setup_mla(
     op: str, m: ModelShape, tokens: int, adapters: int, rank: int, device: torch.device
 ) -> Setup:
     """Absorbed kv_b correction: `q` (q_lat += …) or `o` (o += …)."""
-    gen = torch.Generator().manual_seed(1)
     bf16 = {"device": device, "dtype": torch.bfloat16}
-    slots = _token_slots(tokens, adapters, SGMV_SLOTS, gen)
-    segs = build_lora_segments(slots, [rank] * SGMV_SLOTS, device=device)
-    groups = _groups(slots, device)
+    batch = _batch(tokens, adapters, SGMV_SLOTS, rank, device)
+    segs, groups = batch.segs, batch.groups
     head_rows = m.nope + m.v_dim
     A = torch.randn(SGMV_SLOTS, rank, m.kv_lora_rank, **bf16) / m.kv_lora_rank**0.5
     B = torch.randn(SGMV_SLOTS, m.heads * head_rows, rank, **bf16) / rank**0.5
@@ -210,9 +212,8 @@ def setup_moe(
     """Routed-expert LoRA `gate_up` (2 slices) or `down` over T*top_k pairs."""
     gen = torch.Generator().manual_seed(2)
     bf16 = {"device": device, "dtype": torch.bfloat16}
-    adapters = min(adapters, MOE_SLOTS)
-    slots = _token_slots(tokens, adapters, MOE_SLOTS, gen)
-    segs = build_lora_segments(slots, [rank] * MOE_SLOTS, device=device)
+    batch = _batch(tokens, min(adapters, MOE_SLOTS), MOE_SLOTS, rank, device)
+    slots, segs = batch.slots, batch.segs
     chosen = torch.rand(tokens, m.experts, generator=gen).topk(m.top_k, dim=1).indices.flatten()
     order = torch.argsort(chosen, stable=True)
     pair_token = torch.arange(tokens).repeat_interleave(m.top_k)[order].int().to(device)

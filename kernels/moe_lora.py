@@ -28,11 +28,9 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.lora_segments import LoraSegments, live_rank_columns
-from kernels.sgmv import dot_precision, rank_block
+from kernels.sgmv import dot_precision, plan_split_k, rank_block
 
 BLOCK_P = 16
-# The shrink splits K until about this many programs run (2 waves on an H100's 132 SMs).
-_TARGET_PROGRAMS = 264
 
 
 @triton.jit
@@ -268,13 +266,9 @@ def _moe_lora(
     y = torch.zeros(num_pairs, num_slices * pool_rank, dtype=torch.float32, device=x.device)
     k_dim = x.shape[1]
     block_r = rank_block(pool_rank)
-    block_k = 128 if k_dim >= 128 else triton.next_power_of_2(max(k_dim, 16))
     pair_blocks = triton.cdiv(num_pairs, BLOCK_P)
     rank_programs = num_slices * triton.cdiv(pool_rank, block_r)
-    k_blocks = triton.cdiv(k_dim, block_k)
-    split_k = max(1, min(k_blocks, _TARGET_PROGRAMS // (pair_blocks * rank_programs)))
-    k_per_split = triton.cdiv(k_blocks, split_k) * block_k
-    split_k = triton.cdiv(k_dim, k_per_split)
+    block_k, k_per_split, split_k = plan_split_k(k_dim, pair_blocks * rank_programs)
     pair_meta = (pair_token, pair_expert, segs.token_slot, segs.slot_rank, num_pairs)
     _moe_lora_shrink_kernel[(pair_blocks, rank_programs, split_k)](
         x,

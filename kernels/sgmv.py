@@ -24,7 +24,7 @@ from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
 
 # Expand supports this many stacked slices (DeepSeek needs 2: qkv_a, gate_up).
 MAX_SLICES = 3
-# The shrink splits K until about this many programs run (2 waves on an H100's 132 SMs).
+# Launchers size grids to about this many programs (2 waves on an H100's 132 SMs).
 _TARGET_PROGRAMS = 264
 _UNUSED = 2**30
 
@@ -162,6 +162,21 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def plan_split_k(k_dim: int, programs: int) -> tuple[int, int, int]:
+    """(BLOCK_K, K per program, K splits) so that `programs` × splits fills the GPU: a
+    decode step of one token would otherwise leave one program walking all of K."""
+    if k_dim < 64:
+        block_k = triton.next_power_of_2(max(k_dim, 16))
+    elif k_dim < 128 or programs * triton.cdiv(k_dim, 128) < _TARGET_PROGRAMS:
+        block_k = 64  # B=1 at hidden 7168: 112 programs instead of 56
+    else:
+        block_k = 128
+    k_blocks = triton.cdiv(k_dim, block_k)
+    split_k = max(1, min(k_blocks, _TARGET_PROGRAMS // programs))
+    k_per_split = triton.cdiv(k_blocks, split_k) * block_k
+    return block_k, k_per_split, triton.cdiv(k_dim, k_per_split)
+
+
 def rank_block(pool_rank: int) -> int:
     """Rank tile: the pool rank rounded up to a power of two, within tl.dot's 16..64."""
     return min(max(triton.next_power_of_2(pool_rank), 16), 64)
@@ -200,13 +215,9 @@ def sgmv_shrink(
     if num_tokens == 0:
         return out
     block_r = rank_block(pool_rank)
-    block_k = 128 if k_dim >= 128 else triton.next_power_of_2(max(k_dim, 16))
     rank_programs = num_slices * triton.cdiv(pool_rank, block_r)
     grid_segments = segs.grid_segments()
-    k_blocks = triton.cdiv(k_dim, block_k)
-    split_k = max(1, min(k_blocks, _TARGET_PROGRAMS // (grid_segments * rank_programs)))
-    k_per_split = triton.cdiv(k_blocks, split_k) * block_k
-    split_k = triton.cdiv(k_dim, k_per_split)
+    block_k, k_per_split, split_k = plan_split_k(k_dim, grid_segments * rank_programs)
     _sgmv_shrink_kernel[(grid_segments, rank_programs, split_k)](
         x,
         A,
@@ -259,7 +270,9 @@ def sgmv_expand(
     segs.require_tokens(num_tokens)
     if num_tokens == 0:
         return out
-    block_n = 128 if out_total >= 4096 else 64
+    # Wide tiles for wide outputs unless that leaves SMs idle (B=1: 112 programs, not 56).
+    wide = segs.grid_segments() * triton.cdiv(out_total, 128) >= _TARGET_PROGRAMS
+    block_n = 128 if wide else 64
     block_cols = [0] * (MAX_SLICES + 1)
     slice_cols = [*slice_offsets[1:-1], *[_UNUSED] * (MAX_SLICES - num_slices)]
     for i in range(num_slices):

@@ -60,7 +60,8 @@ def _dense_delta(x, A, B, segs, slice_offsets):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_sgmv_matches_reference(popularity, slice_offsets, dtype) -> None:  # type: ignore[no-untyped-def]
     num_slices = len(slice_offsets) - 1
-    segs, x, A, B, out = _lora_case(popularity, 23, 67, slice_offsets, 16, dtype, seed=1)
+    # in=53 fits one K block: the split-free (plain store) shrink path.
+    segs, x, A, B, out = _lora_case(popularity, 23, 53, slice_offsets, 16, dtype, seed=1)
     y = sgmv_shrink(x, A, segs, num_slices)
     y_ref = sgmv_shrink_ref(x.float(), A.float(), segs, num_slices)
     assert_close(y, y_ref, dtype)
