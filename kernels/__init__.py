@@ -1,1 +1,1 @@
-"""Triton multi-LoRA and model kernels, each with a launcher and a plain-torch reference."""
+"""Triton kernels, each beside its launcher and a plain-torch reference of the same function."""
