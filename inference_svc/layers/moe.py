@@ -42,9 +42,10 @@ class Router(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(e, hidden, dtype=torch.float32, device=device), False
         )
-        self.e_score_correction_bias = nn.Parameter(
-            torch.zeros(e, dtype=torch.float32, device=device), False
-        )
+        if routing.method == "noaux_tc":  # only V3's aux-loss-free routing has the bias
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(e, dtype=torch.float32, device=device), False
+            )
 
     def _group_mask(self, choice: torch.Tensor, group_score: str) -> torch.Tensor:
         """[T, E] bool: experts in the `topk_group` best of `n_group` groups."""
