@@ -82,7 +82,8 @@ def _mla_decode_kernel(
         other=0.0,
     )  # [BLOCK_H, BLOCK_R]
     ctx = tl.load(ctx_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_T) * BLOCK_T
+    per_split = (ctx + NUM_SPLITS - 1) // NUM_SPLITS
+    split_len = (per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
 
