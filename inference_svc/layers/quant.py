@@ -117,6 +117,8 @@ class Fp8BlockMethod(QuantMethod):
         return QuantInfo(module.weight, module.weight_scale_inv, (self.block_n, self.block_k))
 
     def load(self, module, kind, tensor, row, expert) -> None:
+        if kind == "weight" and tensor.dtype != FP8_DTYPE:
+            raise ValueError(f"fp8_block layer got a {tensor.dtype} weight; expected e4m3")
         if kind == "weight":
             _copy_rows(_rows(module.weight, expert), tensor, row, "weight")
         else:

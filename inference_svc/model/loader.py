@@ -143,12 +143,16 @@ class WeightLoader:
 
 
 def build_model(
-    config: ModelConfig, device: torch.device | str, dtype: torch.dtype
+    config: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    quant_method: str | None = None,
 ) -> DeepseekV3Model:
-    """An empty model for `config` with the quant method chosen for the device."""
+    """An empty model for `config`; the quant method defaults to the device's choice."""
     device = torch.device(device)
     q = config.quant
-    quant = make_quant_method(choose_quant(config, device), (q.block_n, q.block_k) if q else None)
+    name = quant_method or choose_quant(config, device)
+    quant = make_quant_method(name, (q.block_n, q.block_k) if q else None)
     return DeepseekV3Model(config, quant, dtype, device).eval()
 
 
