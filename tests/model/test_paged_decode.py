@@ -52,19 +52,18 @@ def run_step(runner, seqs, chunks, allocator):
         row += n
 
 
-@pytest.mark.parametrize("spec", ["v3_q_lora", "v3_yarn", "v2_greedy"])
-def test_stepwise_decode_matches_full_forward(spec, tiny_checkpoint):
-    ckpt = tiny_checkpoint(spec)
+def check_scenario(ckpt, lengths: list[int], first: list[int], second: list[int]) -> None:
+    """Step 1 runs `first` tokens per sequence, step 2 `second` (seq 0 must be a decode),
+    then one-token decodes until every sequence is done; compare with transformers."""
     loaded = load_model(ckpt.folder)
     runner = ModelRunner(loaded.model, RunnerConfig(num_pages=40, page_size=PAGE_SIZE))
     allocator = PageAllocator(40)
     allocator.allocate(3)  # start the sequences on non-zero, non-contiguous pages
     g = torch.Generator().manual_seed(7)
-    lengths = [14, 19, 9]
     seqs = [Seq(torch.randint(0, 256, (n,), generator=g).tolist()) for n in lengths]
 
-    run_step(runner, seqs, [7, 8, 0], allocator)  # A prefill, B first chunk
-    run_step(runner, seqs, [1, 4, 3], allocator)  # A decodes; B chunk on a cached prefix; C
+    run_step(runner, seqs, first, allocator)
+    run_step(runner, seqs, second, allocator)
     while any(s.cached < len(s.tokens) for s in seqs):  # decodes, sequences finish unevenly
         run_step(runner, seqs, [int(s.cached < len(s.tokens)) for s in seqs], allocator)
 
@@ -72,5 +71,27 @@ def test_stepwise_decode_matches_full_forward(spec, tiny_checkpoint):
         ours = torch.stack(seq.logprobs)
         ref = ckpt.hf_logprobs(seq.tokens)
         diff = (ours - ref).abs().max().item()
-        assert diff <= TOL, f"{spec}: max |Δlogprob| {diff:.2e} over {len(seq.tokens)} tokens"
+        assert diff <= TOL, f"{ckpt.name}: max |Δlogprob| {diff:.2e} over {len(seq.tokens)} tokens"
     assert sum(len(s.pages) for s in seqs) == 40 - 3 - allocator.num_free
+
+
+@pytest.mark.parametrize("spec", ["v3_q_lora", "v3_yarn", "v2_greedy"])
+def test_stepwise_decode_matches_full_forward(spec, tiny_checkpoint):
+    # A prefills 7 then decodes; B prefills in chunks of 8 and 4 (the second on a cached
+    # prefix, in the same step as A's decode and C's prefill); lengths end unevenly.
+    check_scenario(tiny_checkpoint(spec), [14, 19, 9], [7, 8, 0], [1, 4, 3])
+
+
+def test_triton_kernels_in_the_model_match_transformers(tiny_checkpoint, monkeypatch):
+    """The same scenario with the CPU path routed through the Triton launchers (interpreted
+    on CPU): checks the kernels' integration (strides, slicing, padding) end to end."""
+    from inference_svc.layers import mla as mla_layer
+    from kernels import fp8, mla_attention
+    from kernels import fused_moe as fm
+
+    monkeypatch.setattr(mla_layer, "mla_decode_ref", mla_attention.mla_decode)
+    monkeypatch.setattr(mla_layer, "mla_prefill_ref", mla_attention.mla_prefill)
+    for name in ("grouped_gemm", "silu_mul", "moe_combine"):
+        monkeypatch.setattr(fm, f"{name}_ref", getattr(fm, name))
+    monkeypatch.setattr(fp8, "fp8_block_linear_ref", fp8.fp8_block_linear)
+    check_scenario(tiny_checkpoint("v3_q_lora"), [8, 11, 6], [5, 6, 0], [1, 5, 3])
