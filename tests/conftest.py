@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.triton_interpret import use_interpreter_without_cuda
+
+# Must run before anything imports triton (see tests/fixtures/triton_interpret.py).
+use_interpreter_without_cuda()
+
 from tests.fixtures.servers import RedisServer, SeaweedS3Server
 from tests.fixtures.tiny_models import TINY_SPECS, save_tiny_model
 
