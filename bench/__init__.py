@@ -1,0 +1,1 @@
+"""GPU benchmarks; each writes JSON + a plot. See docs/benchmarks.md."""

@@ -1,0 +1,1 @@
+"""Developer tools: demo model training, the demo driver."""
