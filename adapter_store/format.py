@@ -1,0 +1,231 @@
+"""The canonical adapter format: tensor names, manifest, reader and writer.
+
+Written by the store (after PEFT normalization), read by the inference service. One
+`weights.safetensors` plus one `manifest.json` per adapter version. Per decoder layer `L`
+and canonical module `M` (see `CANONICAL_MODULES`) the weights hold
+`layers.L.M.lora_A` `[stack*r, in]` and `layers.L.M.lora_B` `[sum(out_slices), r]`
+(MoE modules: a leading expert dim, 1 for the shared side of "shared_outer" adapters).
+Scaling is already folded into lora_B; rows/columns beyond a module's true rank are zero.
+
+CPU-only dependencies (torch, safetensors, json, hashlib) so both services can import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from adapter_store.errors import InvalidArgument
+from adapter_store.model_shapes import (
+    CANONICAL_MODULES,
+    ModuleShape,
+    iter_layer_modules,
+    model_lora_shapes,
+    shape_at,
+)
+
+__all__ = [
+    "CANONICAL_MODULES",
+    "DTYPES",
+    "FORMAT_VERSION",
+    "MOE_LAYOUTS",
+    "CanonicalAdapter",
+    "Manifest",
+    "ModuleShape",
+    "deserialize",
+    "iter_layer_modules",
+    "model_lora_shapes",
+    "module_key",
+    "parse_tensor_name",
+    "serialize",
+    "shape_at",
+    "tensor_name",
+]
+
+FORMAT_VERSION = 1
+MOE_LAYOUTS = ("none", "per_expert", "shared_outer")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+LoraPart = Literal["lora_A", "lora_B"]
+
+_TENSOR_NAME = re.compile(r"^layers\.(\d+)\.([a-z_]+\.[a-z_]+)\.(lora_A|lora_B)$")
+
+
+def module_key(layer: int, module: str) -> str:
+    """Key of one module instance in the manifest: "layers.L.module"."""
+    return f"layers.{layer}.{module}"
+
+
+def tensor_name(layer: int, module: str, part: LoraPart) -> str:
+    """Name of a canonical tensor: "layers.L.module.lora_A" / ".lora_B"."""
+    return f"{module_key(layer, module)}.{part}"
+
+
+def parse_tensor_name(name: str) -> tuple[int, str, LoraPart]:
+    """Inverse of `tensor_name`; raises InvalidArgument for anything else."""
+    match = _TENSOR_NAME.match(name)
+    if not match or match.group(2) not in CANONICAL_MODULES:
+        raise InvalidArgument(f"not a canonical tensor name: {name!r}")
+    return int(match.group(1)), match.group(2), match.group(3)  # type: ignore[return-value]
+
+
+@dataclass
+class Manifest:
+    """What a reader needs besides the tensors, plus provenance (the source PEFT config)."""
+
+    format_version: int
+    base_model: str
+    rank: int  # r: every module's lora_A/lora_B is padded to it
+    module_ranks: dict[str, int]  # "layers.L.module" -> true rank before padding
+    moe_layout: str  # "none" | "per_expert" | "shared_outer"
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    sha256: str  # of the weights.safetensors bytes ("" until serialized)
+    size_bytes: int
+    source_peft_config: dict[str, Any]
+    # "layers.L.module" -> output width of each stacked slice (splits lora_B's rows).
+    module_slices: dict[str, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.format_version != FORMAT_VERSION:
+            raise InvalidArgument(
+                f"manifest format_version {self.format_version!r} is not supported "
+                f"(this build reads {FORMAT_VERSION})"
+            )
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise InvalidArgument(f"manifest rank must be a positive integer, got {self.rank!r}")
+        if self.moe_layout not in MOE_LAYOUTS:
+            raise InvalidArgument(f"manifest moe_layout {self.moe_layout!r} not in {MOE_LAYOUTS}")
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"manifest dtype {self.dtype!r} not in {tuple(DTYPES)}")
+        for key, rank in self.module_ranks.items():
+            parse_tensor_name(f"{key}.lora_A")
+            if not isinstance(rank, int) or not 0 < rank <= self.rank:
+                raise InvalidArgument(
+                    f"manifest module_ranks[{key!r}] = {rank!r} not in 1..{self.rank}"
+                )
+        if set(self.module_slices) != set(self.module_ranks):
+            raise InvalidArgument("manifest module_slices and module_ranks name different modules")
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidArgument(f"manifest.json is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise InvalidArgument("manifest.json must hold a JSON object")
+        names = {f.name for f in fields(cls)}
+        missing = sorted(n for n in names if n not in raw and n != "module_slices")
+        if missing:
+            raise InvalidArgument(f"manifest.json lacks fields {missing}")
+        try:
+            return cls(**{k: v for k, v in raw.items() if k in names})
+        except (TypeError, AttributeError, ValueError) as exc:
+            raise InvalidArgument(f"manifest.json is malformed: {exc}") from None
+
+    @property
+    def modules(self) -> list[tuple[int, str]]:
+        """(layer, module) of every module instance the adapter has."""
+        return [parse_tensor_name(f"{key}.lora_A")[:2] for key in self.module_ranks]
+
+
+@dataclass
+class CanonicalAdapter:
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]  # tensor_name(...) -> contiguous tensor
+
+    def delta_weight(self, layer: int, module: str, expert: int | None = None) -> torch.Tensor:
+        """Dense ΔW in float32: per slice s, B_s @ A_s, stacked on the output dim.
+
+        Returns `[sum(out_slices), in]`; for moe.* with `expert=None`, `[E, sum(out_slices), in]`.
+        """
+        lora_A = self.tensors[tensor_name(layer, module, "lora_A")].float()
+        lora_B = self.tensors[tensor_name(layer, module, "lora_B")].float()
+        slices = self.manifest.module_slices[module_key(layer, module)]
+        r = self.manifest.rank
+        if module.startswith("moe."):
+            if expert is None:
+                experts = max(lora_A.shape[0], lora_B.shape[0])
+                return torch.stack([self.delta_weight(layer, module, e) for e in range(experts)])
+            # A leading dim of 1 is the shared side of a "shared_outer" adapter.
+            lora_A = lora_A[expert if lora_A.shape[0] > 1 else 0]
+            lora_B = lora_B[expert if lora_B.shape[0] > 1 else 0]
+        b_rows = lora_B.split(slices, dim=0)  # per slice: [out_s, r]
+        return torch.cat([b @ lora_A[s * r : (s + 1) * r] for s, b in enumerate(b_rows)])
+
+
+def validate_tensors(manifest: Manifest, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Check that the tensors are exactly the manifest's modules with consistent shapes."""
+    expected = {
+        tensor_name(layer, module, part)
+        for layer, module in manifest.modules
+        for part in ("lora_A", "lora_B")
+    }
+    if set(tensors) != expected:
+        extra, missing = sorted(set(tensors) - expected), sorted(expected - set(tensors))
+        raise InvalidArgument(
+            f"weights do not match the manifest: extra {extra}, missing {missing}"
+        )
+    dtype = DTYPES[manifest.dtype]
+    r = manifest.rank
+    for layer, module in manifest.modules:
+        key = module_key(layer, module)
+        lora_A = tensors[tensor_name(layer, module, "lora_A")]
+        lora_B = tensors[tensor_name(layer, module, "lora_B")]
+        slices = manifest.module_slices[key]
+        expert_dims = 1 if module.startswith("moe.") else 0
+        for name, tensor in ((f"{key}.lora_A", lora_A), (f"{key}.lora_B", lora_B)):
+            if tensor.dtype != dtype or tensor.dim() != 2 + expert_dims:
+                raise InvalidArgument(
+                    f"{name}: expected {2 + expert_dims}-D {manifest.dtype}, "
+                    f"found {tensor.dim()}-D {str(tensor.dtype).removeprefix('torch.')}"
+                )
+        if lora_A.shape[-2] != len(slices) * r or tuple(lora_B.shape[-2:]) != (sum(slices), r):
+            raise InvalidArgument(
+                f"{key}: expected lora_A [.., {len(slices) * r}, in] and lora_B "
+                f"[.., {sum(slices)}, {r}], found {list(lora_A.shape)} and {list(lora_B.shape)}"
+            )
+
+
+def serialize(adapter: CanonicalAdapter) -> tuple[bytes, bytes]:
+    """-> (weights.safetensors bytes, manifest.json bytes); fills the manifest's sha256/size."""
+    validate_tensors(adapter.manifest, adapter.tensors)
+    tensors = {name: tensor.contiguous() for name, tensor in adapter.tensors.items()}
+    weights = save_safetensors(tensors, metadata={"format_version": str(FORMAT_VERSION)})
+    adapter.manifest = replace(
+        adapter.manifest, sha256=hashlib.sha256(weights).hexdigest(), size_bytes=len(weights)
+    )
+    return weights, adapter.manifest.to_json()
+
+
+def deserialize(weights: bytes, manifest_json: bytes, *, verify: bool = True) -> CanonicalAdapter:
+    """Read a canonical adapter; raises InvalidArgument naming what is wrong."""
+    manifest = Manifest.from_json(manifest_json)
+    if verify:
+        digest = hashlib.sha256(weights).hexdigest()
+        if digest != manifest.sha256 or len(weights) != manifest.size_bytes:
+            raise InvalidArgument(
+                f"weights.safetensors does not match its manifest: sha256 {digest} "
+                f"({len(weights)} bytes), manifest says {manifest.sha256} "
+                f"({manifest.size_bytes} bytes)"
+            )
+    try:
+        tensors = load_safetensors(weights)
+    except Exception as exc:  # safetensors raises its own error types for malformed input
+        raise InvalidArgument(f"weights.safetensors is malformed: {exc}") from None
+    validate_tensors(manifest, tensors)
+    return CanonicalAdapter(manifest=manifest, tensors=tensors)
