@@ -1,0 +1,77 @@
+"""PEFT LoRA adapter -> canonical adapter for a registered DeepSeek-V3-family base model.
+
+Pure: bytes in, tensors out, no I/O. Every format quirk of PEFT is handled here, once:
+    upload.py    files -> config + tensors (pickle refused, safetensors/NaN checked)
+    settings.py  adapter_config.json -> rank/alpha per module (rslora, *_pattern), refusals
+    targets.py   PEFT key -> canonical (module, slices, expert) for this base model
+    pieces.py    LoRA pairs -> shape-checked, scaled pieces (incl. PEFT's fused-expert layout)
+    assemble.py  pieces -> stacked, rank-padded canonical tensors
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from adapter_store.errors import InvalidArgument
+from adapter_store.format import (
+    DTYPES,
+    FORMAT_VERSION,
+    CanonicalAdapter,
+    Manifest,
+    model_lora_shapes,
+    validate_tensors,
+)
+from adapter_store.model_shapes import text_config
+from adapter_store.normalize.assemble import assemble
+from adapter_store.normalize.pieces import build_pieces
+from adapter_store.normalize.settings import LoraSettings
+from adapter_store.normalize.upload import read_upload
+
+__all__ = ["normalize_peft"]
+
+
+def normalize_peft(
+    files: Mapping[str, bytes],
+    base_config: dict[str, Any],
+    *,
+    base_model: str,
+    max_rank: int,
+    dtype: str | None = None,
+) -> CanonicalAdapter:
+    """Normalize an uploaded PEFT LoRA folder (filename -> bytes) into the canonical layout.
+
+    Scaling is folded into lora_B, every module is zero-padded to the adapter rank (the
+    largest module rank). Raises InvalidArgument naming the key and expected vs found shape.
+    """
+    dtype = dtype or "float32"
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"dtype {dtype!r} not in {tuple(DTYPES)}")
+    config = text_config(base_config)
+    shapes = model_lora_shapes(config)
+    upload = read_upload(files, vocab_size=config.get("vocab_size"))
+    settings = LoraSettings.from_config(upload.config)
+    pieces = build_pieces(upload.tensors, settings, shapes, config["num_hidden_layers"])
+
+    rank = max(piece.rank for piece in pieces)
+    if rank > max_rank:
+        widest = max(pieces, key=lambda piece: piece.rank)
+        raise InvalidArgument(
+            f"{widest.source}: rank {rank} is above the maximum rank {max_rank} of this deployment"
+        )
+    canonical = assemble(pieces, shapes, rank)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        base_model=base_model,
+        rank=rank,
+        module_ranks=canonical.module_ranks,
+        moe_layout=canonical.moe_layout,
+        dtype=dtype,
+        sha256="",
+        size_bytes=0,
+        source_peft_config=upload.config,
+        module_slices=canonical.module_slices,
+    )
+    tensors = {name: t.to(DTYPES[dtype]).contiguous() for name, t in canonical.tensors.items()}
+    validate_tensors(manifest, tensors)
+    return CanonicalAdapter(manifest=manifest, tensors=tensors)
