@@ -188,3 +188,21 @@ async def collect_garbage(
     await _bounded(lambda v=v: examine(v) for v in await stored_versions(objects))
     log.info("gc: %s", report)
     return report
+
+
+async def keep_index_ready(
+    objects: ObjectStore, metadata: MetadataStore, interval_s: float
+) -> None:
+    """Forever: whenever Redis lost the index (flushed, restarted empty), rebuild it.
+
+    Until then uploads are refused (UNAVAILABLE) so no version number is handed out twice;
+    a dependency that is down is retried on the next tick.
+    """
+    while True:
+        try:
+            if not await metadata.index_ready():
+                log.warning("Redis index missing (new or emptied Redis): rebuilding from S3")
+                await reindex(objects, metadata)
+        except LoraserveError as error:
+            log.warning("index check failed, retrying in %.0f s: %s", interval_s, error)
+        await asyncio.sleep(interval_s)
