@@ -3,9 +3,11 @@ and PEFT adapter folders made by `peft` itself."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import grpc
 import pytest
 
@@ -43,6 +45,28 @@ def peft_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
         ),
     ]
     return [_save(files, root / f"adapter{i}") for i, (_, files) in enumerate(adapters)]
+
+
+def drop_bucket(endpoint_url: str, bucket: str) -> None:
+    """Delete a bucket and its objects: SeaweedFS gives every bucket its own volumes, and the
+    test server has room for only a few at a time."""
+    client = boto3.client("s3", endpoint_url=endpoint_url)
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            keys = [{"Key": item["Key"]} for item in page.get("Contents", ())]
+            if keys:
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+        client.delete_bucket(Bucket=bucket)
+    except client.exceptions.NoSuchBucket:
+        pass
+
+
+@pytest.fixture
+def s3_bucket(s3_server: SeaweedS3Server) -> Iterator[str]:
+    """A fresh bucket for one test (created by the code under test), dropped afterwards."""
+    bucket = f"t-{uuid.uuid4().hex[:12]}"
+    yield bucket
+    drop_bucket(s3_server.endpoint_url, bucket)
 
 
 @pytest.fixture
