@@ -5,6 +5,7 @@ serve: reindex only adds and re-adds, gc only removes what no commit can still c
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable
@@ -24,6 +25,7 @@ from adapter_store.records import (
     AdapterRecord,
     BaseModelRecord,
     parse_adapter_key,
+    parse_last_version_key,
     utc_now,
 )
 from adapter_store.storage.metadata import MetadataStore
@@ -53,10 +55,10 @@ class VersionObjects:
         return max(info.last_modified for info in self.files.values())
 
 
-async def stored_versions(objects: ObjectStore) -> list[VersionObjects]:
-    """Every adapter version prefix in the bucket, with the files it holds."""
+def group_versions(listing: Iterable[ObjectInfo]) -> list[VersionObjects]:
+    """The adapter version prefixes of a bucket listing, with the files each holds."""
     grouped: dict[AdapterKey, dict[str, ObjectInfo]] = defaultdict(dict)
-    for info in await objects.list_objects(TENANTS_ROOT):
+    for info in listing:
         key = parse_adapter_key(info.key)
         if key is not None:
             grouped[AdapterKey(key.tenant, key.name, key.version, "")][key.filename] = info
@@ -129,7 +131,13 @@ async def reindex(objects: ObjectStore, metadata: MetadataStore) -> ReindexRepor
         await metadata.restore_adapter(record)
         report.adapters += 1
 
-    await _bounded(lambda v=v: restore(v) for v in await stored_versions(objects))
+    listing = await objects.list_objects(TENANTS_ROOT)
+    await _bounded(lambda v=v: restore(v) for v in group_versions(listing))
+    for info in listing:
+        owner = parse_last_version_key(info.key)
+        if owner is not None:
+            last = json.loads(await objects.get(info.key))["version"]
+            await metadata.raise_counter(*owner, int(last))
     await metadata.mark_index_ready(f"reindexed {utc_now()}")
     log.info("reindex: %s", report)
     return report
@@ -185,7 +193,8 @@ async def collect_garbage(
         else:
             report.pending.append(version.prefix)
 
-    await _bounded(lambda v=v: examine(v) for v in await stored_versions(objects))
+    listing = await objects.list_objects(TENANTS_ROOT)
+    await _bounded(lambda v=v: examine(v) for v in group_versions(listing))
     log.info("gc: %s", report)
     return report
 

@@ -10,8 +10,10 @@ S3 layout (fixed by the design): one prefix per adapter version,
 - `deleted.json` — a tombstone, written before a delete touches Redis, so neither reindex
   nor a crash can bring a deleted version back.
 
-Base models live at `base_models/{name}.json`. Names are validated (adapter_store.names)
-before they reach a key, so the keys need no escaping.
+Beside the versions, `tenants/{tenant}/adapters/{name}/last_version.json` remembers the
+highest version ever deleted, so a name deleted whole does not reuse its version numbers
+after a reindex. Base models live at `base_models/{name}.json`. Names are validated
+(adapter_store.names) before they reach a key, so the keys need no escaping.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ ADAPTER_FILES = (WEIGHTS_FILE, MANIFEST_FILE, RECORD_FILE, TOMBSTONE_FILE)
 TENANTS_ROOT = "tenants/"
 BASE_MODELS_ROOT = "base_models/"
 
+LAST_VERSION_FILE = "last_version.json"
+
 _ADAPTER_KEY = re.compile(r"^tenants/([^/]+)/adapters/([^/]+)/v(\d+)/([^/]+)$")
+_LAST_VERSION_KEY = re.compile(r"^tenants/([^/]+)/adapters/([^/]+)/last_version\.json$")
 
 
 def utc_now() -> str:
@@ -42,6 +47,16 @@ def utc_now() -> str:
 
 def adapter_prefix(tenant: str, name: str, version: int) -> str:
     return f"tenants/{tenant}/adapters/{name}/v{version}/"
+
+
+def last_version_key(tenant: str, name: str) -> str:
+    return f"tenants/{tenant}/adapters/{name}/{LAST_VERSION_FILE}"
+
+
+def parse_last_version_key(key: str) -> tuple[str, str] | None:
+    """(tenant, name) of a `last_version.json` key, or None for any other key."""
+    match = _LAST_VERSION_KEY.match(key)
+    return None if match is None else (match.group(1), match.group(2))
 
 
 def base_model_key(name: str) -> str:

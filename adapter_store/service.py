@@ -39,6 +39,7 @@ from adapter_store.records import (
     AdapterRecord,
     BaseModelRecord,
     base_model_key,
+    last_version_key,
     utc_now,
 )
 from adapter_store.storage.metadata import MetadataStore
@@ -186,7 +187,12 @@ class AdapterStoreService:
         principal.check_base_model(name)
         record = await self.metadata.get_base_model(name)
         if record is None:
-            raise NotFound(f"base model {name!r} is not registered")
+            # S3 is the truth: Redis may have been emptied since the registration.
+            stored = await self.objects.get_or_none(base_model_key(name))
+            if stored is None:
+                raise NotFound(f"base model {name!r} is not registered")
+            record = BaseModelRecord.from_json(stored)
+            await self.metadata.add_base_model(record)
         return record
 
     async def list_base_models(self, principal: Principal) -> list[BaseModelRecord]:
@@ -210,7 +216,7 @@ class AdapterStoreService:
         weights, manifest_json = await asyncio.to_thread(serialize, canonical)
         version = await self.metadata.allocate_version(principal.tenant, spec.name)
         if version is None:
-            raise Unavailable("the Redis index is being rebuilt from S3 (reindex); retry shortly")
+            await self._require_index()
         manifest = canonical.manifest
         record = AdapterRecord(
             tenant=principal.tenant,
@@ -250,8 +256,14 @@ class AdapterStoreService:
         parsed = parse_ref(ref)
         record = await self.metadata.get_adapter(principal.tenant, parsed.name, parsed.version)
         if record is None:
+            await self._require_index()
             raise NotFound(f"adapter {str(parsed)!r} not found")
         return record
+
+    async def _require_index(self) -> None:
+        """Before answering "not found": is the index complete, or is Redis being rebuilt?"""
+        if not await self.metadata.index_ready():
+            raise Unavailable("the Redis index is being rebuilt from S3 (reindex); retry shortly")
 
     async def list_adapters(self, principal: Principal, query: AdapterQuery) -> AdapterPage:
         if query.page_size < 0:
@@ -267,6 +279,8 @@ class AdapterStoreService:
             found.append(record)
             if len(found) > page_size:
                 break
+        if not found:
+            await self._require_index()
         if len(found) <= page_size:
             return AdapterPage(found, "")
         last = found[page_size - 1]
@@ -298,11 +312,19 @@ class AdapterStoreService:
             record = await self.get_adapter(principal, ref)
             records = [record]
         if not records:
+            await self._require_index()
             raise NotFound(f"adapter {str(parsed)!r} not found")
         return await _shielded(self._delete(records))
 
     async def _delete(self, records: list[AdapterRecord]) -> list[int]:
         tombstone = json.dumps({"deleted_at": utc_now()}).encode()
+        tenant, name = records[0].tenant, records[0].name
+        last = max(record.version for record in records)
+        stored = await self.objects.get_or_none(last_version_key(tenant, name))
+        if stored is None or json.loads(stored)["version"] < last:
+            await self.objects.put(
+                last_version_key(tenant, name), json.dumps({"version": last}).encode()
+            )
         await asyncio.gather(
             *(self.objects.put(r.storage_prefix + TOMBSTONE_FILE, tombstone) for r in records)
         )
@@ -312,7 +334,7 @@ class AdapterStoreService:
                 await remove_version(self.objects, record.storage_prefix)
             except Unavailable as error:
                 log.warning("%s: objects left for gc: %s", record.storage_prefix, error)
-        log.info("deleted %s/%s versions %s", records[0].tenant, records[0].name, deleted)
+        log.info("deleted %s/%s versions %s", tenant, name, deleted)
         return deleted
 
     async def download(

@@ -30,7 +30,7 @@ def base_model_to_proto(record: BaseModelRecord) -> pb.BaseModel:
 
 
 def _layer_order(module_key: str) -> tuple[int, int]:
-    """"layers.L.module" sorts by layer, then by canonical module order."""
+    """ "layers.L.module" sorts by layer, then by canonical module order."""
     _, layer, module = module_key.split(".", 2)
     return int(layer), CANONICAL_MODULES.index(module)
 

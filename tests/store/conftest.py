@@ -109,5 +109,7 @@ def fetch_all(stub, ref: str, chunk_size: int = 0) -> tuple[pb.Adapter, bytes, b
     messages = list(stub.FetchAdapter(pb.FetchAdapterRequest(ref=ref, chunk_size=chunk_size)))
     head, rest = messages[0], messages[1:]
     weights = b"".join(m.data for m in rest)
-    assert [m.offset for m in rest] == [sum(len(x.data) for x in rest[:i]) for i in range(len(rest))]
+    assert [m.offset for m in rest] == [
+        sum(len(x.data) for x in rest[:i]) for i in range(len(rest))
+    ]
     return head.adapter, head.manifest_json, weights

@@ -59,9 +59,7 @@ class InProcessStore:
     async def _start(self) -> None:
         self.metadata = MetadataStore(self.metadata_config)
         self.service = AdapterStoreService(self.objects, self.metadata, self.config)
-        servicer = AdapterStoreServicer(
-            self.service, Authenticator(self.principals), self.metrics
-        )
+        servicer = AdapterStoreServicer(self.service, Authenticator(self.principals), self.metrics)
         self.server = grpc.aio.server(interceptors=[MetricsInterceptor(self.metrics)])
         adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(servicer, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")

@@ -183,9 +183,12 @@ def test_auth_and_tenant_isolation(authed_store, peft_dirs, tiny_config_json) ->
         listed = stub.ListAdapters(pb.ListAdaptersRequest(), metadata=_as("key-acme"), timeout=10)
         assert [(a.tenant, a.sha256) for a in listed.adapters] == [("acme", mine.sha256)]
         stub.DeleteAdapter(pb.DeleteAdapterRequest(ref="secret"), metadata=_as("key-globex"))
-        assert stub.GetAdapter(
-            pb.GetAdapterRequest(ref="secret"), metadata=_as("key-acme"), timeout=10
-        ) == mine
+        assert (
+            stub.GetAdapter(
+                pb.GetAdapterRequest(ref="secret"), metadata=_as("key-acme"), timeout=10
+            )
+            == mine
+        )
 
         # A tenant without access to the base model can neither see nor use it.
         code, _ = _code(

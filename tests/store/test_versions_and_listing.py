@@ -33,9 +33,7 @@ def test_pinned_version_is_unchanged_after_a_new_one(stub, registered, peft_dirs
     assert hashlib.sha256(weights).hexdigest() == first.sha256
 
 
-def test_concurrent_uploads_of_one_name_get_distinct_versions(
-    store, registered, peft_dirs
-) -> None:
+def test_concurrent_uploads_of_one_name_get_distinct_versions(store, registered, peft_dirs) -> None:
     def upload_one(i: int) -> int:
         with grpc.insecure_channel(store.address) as channel:
             stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
@@ -72,7 +70,12 @@ def test_list_pages_and_filters(stub, registered, peft_dirs, tiny_config_json) -
 
     latest = _list_all(stub, page_size=2)
     assert [(a.name, a.version) for a in latest] == [
-        ("a0", 1), ("a1", 2), ("a2", 1), ("a3", 1), ("a4", 1), ("b0", 1)
+        ("a0", 1),
+        ("a1", 2),
+        ("a2", 1),
+        ("a3", 1),
+        ("a4", 1),
+        ("b0", 1),
     ]
     every = _list_all(stub, page_size=3, all_versions=True)
     assert [(a.name, a.version) for a in every][:3] == [("a0", 1), ("a1", 1), ("a1", 2)]
