@@ -1,9 +1,9 @@
 """`loractl`: the adapter store for people. Tables by default, `--json` for scripts.
 
-    loractl base-model register NAME CONFIG_JSON_OR_HF_FOLDER
-    loractl upload DIR --name N --base-model B [--label k=v …]
-    loractl list | get REF | delete REF | fetch REF --out DIR
-    loractl hash-key KEY        (the sha256 to put in the store's API key file)
+loractl base-model register NAME CONFIG_JSON_OR_HF_FOLDER
+loractl upload DIR --name N --base-model B [--label k=v …]
+loractl list | get REF | delete REF | fetch REF --out DIR
+loractl hash-key KEY        (the sha256 to put in the store's API key file)
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 
 import grpc
 import pytest
@@ -49,7 +50,11 @@ def test_metrics_count_rpcs_and_bytes(store, stub, registered, peft_dirs) -> Non
     fetch_all(stub, "counted")
     with pytest.raises(grpc.RpcError):
         stub.GetAdapter(pb.GetAdapterRequest(ref="absent"), timeout=10)
-    text = generate_latest(store.metrics.registry).decode()
+    # The server records a status after the client has it: give it a moment.
+    deadline = time.monotonic() + 5
+    while "NOT_FOUND" not in (text := generate_latest(store.metrics.registry).decode()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     peft_bytes = sum(path.stat().st_size for path in peft_dirs[0].iterdir())
     for line in (
         'loraserve_store_rpcs_total{code="OK",method="UploadAdapter"} 1.0',
