@@ -6,6 +6,14 @@ Pure: bytes in, tensors out, no I/O. Every format quirk of PEFT is handled here,
     targets.py   PEFT key -> canonical (module, slices, expert) for this base model
     pieces.py    LoRA pairs -> shape-checked, scaled pieces (incl. PEFT's fused-expert layout)
     assemble.py  pieces -> stacked, rank-padded canonical tensors
+
+PEFT behaviour established with peft 0.21.2 + transformers 5.17 (tests/normalize pin it):
+- `target_modules` naming gate_proj/up_proj/down_proj become `target_parameters`
+  ["gate_up_proj", "down_proj"] on the fused routed experts, with rank_pattern/alpha_pattern
+  `.*\\.gate_up_proj` doubled; dense and shared-expert MLPs then get no LoRA at all.
+- `target_parameters` pairs are saved on the experts module itself, nested wrappers adding
+  `.base_layer` (gate_up_proj innermost): lora_A `[E*r, in]`, lora_B `[out, E*r]`, r per expert.
+- `all-linear` also adapts the MoE router (`mlp.gate`), which we refuse.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class LoraSettings:
         return self.r if pattern is None else self.rank_pattern[pattern]
 
     def scaling_for(self, peft_key: str) -> float:
-        """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rslora, per-module patterns applied."""
+        """PEFT's scaling: alpha / r (alpha / sqrt(r) with rslora), per-module patterns applied."""
         pattern = _pattern_key(self.alpha_pattern, peft_key)
         alpha = self.lora_alpha if pattern is None else self.alpha_pattern[pattern]
         rank = self.rank_for(peft_key)

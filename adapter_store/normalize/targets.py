@@ -142,6 +142,7 @@ def resolve_target(shapes: Mapping[str, ModuleShape], layer: int, path: str) -> 
         experts = shape_at(shapes, layer, target.module).num_experts  # type: ignore[union-attr]
         if expert >= experts:  # type: ignore[operator]
             raise InvalidArgument(
-                f"model.layers.{layer}.{path}: expert {expert} is beyond the model's {experts} experts"
+                f"model.layers.{layer}.{path}: expert {expert} is beyond the model's "
+                f"{experts} experts"
             )
     return Target(target.kind, target.module, target.slices, expert, prefix + path)

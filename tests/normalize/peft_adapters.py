@@ -73,7 +73,7 @@ def merged_base_model(spec: str, adapter) -> torch.nn.Module:
             elif module == "moe.down":
                 decoder.mlp.experts.down_proj += delta
             else:
-                for path, weight in _weights_of(decoder, module):
+                for weight in _weights_of(decoder, module):
                     rows, delta = delta[: weight.shape[0]], delta[weight.shape[0] :]
                     weight += rows
                 assert delta.numel() == 0, (layer, module)
@@ -84,8 +84,8 @@ def _weights_of(decoder, module: str):
     for path, (name, _) in sorted(HF_TO_CANONICAL.items(), key=lambda kv: kv[1][1]):
         if name == module:
             try:
-                yield path, decoder.get_submodule(path).weight
+                yield decoder.get_submodule(path).weight
             except AttributeError:
                 continue
     if module == "attn.qkv_a":
-        yield "self_attn.kv_a_proj_with_mqa", decoder.self_attn.kv_a_proj_with_mqa.weight
+        yield decoder.self_attn.kv_a_proj_with_mqa.weight
