@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 
 import grpc
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from adapter_store.format import deserialize
 from adapter_store.normalize import normalize_peft
@@ -34,14 +37,36 @@ def test_upload_get_fetch_round_trip(stub, registered, peft_dirs, tiny_config_js
     # The stored tensors are exactly what the normalizer makes of the same files.
     stored = deserialize(weights, manifest_json)
     files = {path.name: path.read_bytes() for path in folder.iterdir()}
-    import json
-
     expected = normalize_peft(
         files, json.loads(tiny_config_json), base_model=BASE_MODEL, max_rank=256
     )
     assert stored.tensors.keys() == expected.tensors.keys()
     for name, tensor in expected.tensors.items():
         torch.testing.assert_close(stored.tensors[name], tensor, rtol=0, atol=0)
+
+
+def test_metrics_count_rpcs_and_bytes(store, stub, registered, peft_dirs) -> None:
+    adapter = stub.UploadAdapter(upload_requests(peft_dirs[0], "counted"), timeout=60)
+    fetch_all(stub, "counted")
+    with pytest.raises(grpc.RpcError):
+        stub.GetAdapter(pb.GetAdapterRequest(ref="absent"), timeout=10)
+    # The server records a status after the client has it: give it a moment.
+    deadline = time.monotonic() + 5
+    while "NOT_FOUND" not in (text := generate_latest(store.metrics.registry).decode()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    peft_bytes = sum(path.stat().st_size for path in peft_dirs[0].iterdir())
+    for line in (
+        'loraserve_store_rpcs_total{code="OK",method="UploadAdapter"} 1.0',
+        'loraserve_store_rpcs_total{code="OK",method="FetchAdapter"} 1.0',
+        'loraserve_store_rpcs_total{code="NOT_FOUND",method="GetAdapter"} 1.0',
+        'loraserve_store_rpc_seconds_count{method="UploadAdapter"} 1.0',
+        "loraserve_store_uploads_total 1.0",
+        f"loraserve_store_upload_received_bytes_total {float(peft_bytes)}",
+        f"loraserve_store_upload_stored_bytes_total {float(adapter.size_bytes)}",
+        f"loraserve_store_fetch_bytes_total {float(adapter.size_bytes)}",
+    ):
+        assert line in text, line
 
 
 def test_unknown_adapter_is_not_found(stub, registered) -> None:
