@@ -98,16 +98,6 @@ def build_runtime(
     loaded = load_model(folder, config.device, config.torch_dtype)
     max_model_len = config.max_model_len or loaded.config.max_position_embeddings
     kv_pages = config.kv_pages or config.max_num_seqs * pages_for(max_model_len, config.page_size)
-    runner = ModelRunner(
-        loaded.model,
-        RunnerConfig(
-            num_pages=kv_pages,
-            page_size=config.page_size,
-            max_pages_per_seq=pages_for(max_model_len, config.page_size),
-        ),
-    )
-    if config.device == "cuda" and config.cuda_graphs:
-        runner.capture_decode_graphs()
     pool = LoraPool.from_config(
         model_lora_shapes(hf_config),
         LoraPoolConfig(
@@ -118,6 +108,17 @@ def build_runtime(
             lora_memory_gb=config.lora_memory_gb,
         ),
     )
+    runner = ModelRunner(
+        loaded.model,
+        RunnerConfig(
+            num_pages=kv_pages,
+            page_size=config.page_size,
+            max_pages_per_seq=pages_for(max_model_len, config.page_size),
+        ),
+        lora_pool=pool,
+    )
+    if config.device == "cuda" and config.cuda_graphs:
+        runner.capture_decode_graphs()
     host_cache = HostAdapterCache(
         HostCacheConfig(capacity_bytes=int(config.host_cache_gb * GIB), dtype=config.torch_dtype)
     )

@@ -155,14 +155,16 @@ class LLMEngine:
             for s in scheduled
             for token in s.seq.token_ids(s.seq.num_computed, s.seq.num_computed + s.query_len)
         ]
-        batch = build_batch(steps, self.page_size, self.device)
+        batch = build_batch(steps, self.page_size, self.device, self.runner.lora_slot_rank)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
         return self.runner.execute(ids, batch)  # [L, V]
 
     @staticmethod
     def _sequence_step(s: ScheduledSeq) -> SequenceStep:
         seq = s.seq
-        return SequenceStep(seq.num_computed, s.query_len, tuple(seq.pages), s.all_logits)
+        return SequenceStep(
+            seq.num_computed, s.query_len, tuple(seq.pages), s.all_logits, seq.lora_slot
+        )
 
     @staticmethod
     def _split(scheduled: list[ScheduledSeq], logits: Tensor) -> list[tuple[ScheduledSeq, Tensor]]:
