@@ -36,6 +36,7 @@ from inference_svc.engine.sequence import AdapterBinding
 log = logging.getLogger("loraserve.resolver")
 
 EVENTS_CHANNEL = "loraserve:events"  # the store's pub/sub channel (adapter_store.storage)
+_CLOSE_TIMEOUT_S = 1.0
 
 
 class AdapterLookup(Protocol):
@@ -151,8 +152,7 @@ class AdapterResolver:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task], timeout=2 * _CLOSE_TIMEOUT_S + 1)
             self._task = None
 
     @property
@@ -164,16 +164,16 @@ class AdapterResolver:
 
         while True:
             client = aioredis.from_url(self.config.redis_url, socket_connect_timeout=2.0)
+            pubsub = client.pubsub()
             try:
-                async with client.pubsub() as pubsub:
-                    await pubsub.subscribe(EVENTS_CHANNEL)
-                    # Events may have been missed while not subscribed.
-                    self._cache.clear()
-                    self._events_live = True
-                    log.info("following adapter events on %s", EVENTS_CHANNEL)
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message":
-                            self._apply_raw(message.get("data"))
+                await pubsub.subscribe(EVENTS_CHANNEL)
+                # Events may have been missed while not subscribed.
+                self._cache.clear()
+                self._events_live = True
+                log.info("following adapter events on %s", EVENTS_CHANNEL)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self._apply_raw(message.get("data"))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down: fall back to TTLs and retry
@@ -181,8 +181,10 @@ class AdapterResolver:
                     log.warning("adapter events lost (%s: %s)", type(exc).__name__, exc)
             finally:
                 self._events_live = False
-                with contextlib.suppress(Exception):
-                    await client.aclose()
+                # Bounded: closing a connection cancelled mid-read can wait on its own lock.
+                for closing in (pubsub.aclose, client.aclose):
+                    with contextlib.suppress(Exception, asyncio.TimeoutError):
+                        await asyncio.wait_for(closing(), _CLOSE_TIMEOUT_S)
             await asyncio.sleep(self.config.reconnect_s)
 
     def _apply_raw(self, data: bytes | str | None) -> None:
