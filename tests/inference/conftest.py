@@ -11,7 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from adapter_store.client import StoreClient
@@ -20,6 +19,7 @@ from inference_svc.app import AppConfig
 from inference_svc.model.tiny import EMBEDDED_ADAPTERS_DIR, EMBEDDED_BASE_DIR
 from inference_svc.runtime import RuntimeConfig
 from tests.fixtures.servers import RedisServer, SeaweedS3Server
+from tests.inference.client import load_peft_oracle
 from tests.inference.harness import InProcessInference
 from tests.store.conftest import drop_bucket
 from tests.store.harness import InProcessStore
@@ -113,14 +113,4 @@ def start_inference(app_config: AppConfig) -> Iterator[Callable[..., InProcessIn
 
 @pytest.fixture(scope="session")
 def peft_oracle():
-    """transformers DeepseekV3ForCausalLM of the embedded model in float32 on CPU, with the
-    embedded adapters loaded by peft (select with `set_adapter`, base: `disable_adapter`)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(EMBEDDED_BASE_DIR, dtype=torch.float32)
-    first, *rest = EMBEDDED_ADAPTERS
-    model = PeftModel.from_pretrained(base.eval(), EMBEDDED_ADAPTERS_DIR / first, first)
-    for name in rest:
-        model.load_adapter(EMBEDDED_ADAPTERS_DIR / name, adapter_name=name)
-    return model.eval()
+    return load_peft_oracle(EMBEDDED_ADAPTERS)

@@ -22,7 +22,7 @@ from tests.inference.client import (
     request,
     status_of,
 )
-from tests.inference.conftest import BASE_MODEL, scaled_adapter, upload
+from tests.inference.conftest import scaled_adapter, upload
 from tests.store.harness import InProcessStore
 
 
@@ -153,9 +153,7 @@ def test_queue_full_and_prompt_too_long(start_inference) -> None:
         too_long = request("", "x " * 80, 4)
         assert status_of(lambda: generate(stub, too_long)) == grpc.StatusCode.RESOURCE_EXHAUSTED
         with ThreadPoolExecutor(6) as pool:
-            futures = [
-                pool.submit(generate, stub, request("", PROMPTS[0], 40)) for _ in range(6)
-            ]
+            futures = [pool.submit(generate, stub, request("", PROMPTS[0], 40)) for _ in range(6)]
             codes = [status_of(f.result) if f.exception() else grpc.StatusCode.OK for f in futures]
         assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes
 
@@ -254,7 +252,9 @@ def test_a_failing_step_fails_only_its_request(stub, replica) -> None:
     ids = replica.app.runtime.tokenizer.encode(PROMPTS[0])
     replica.on_engine(lambda: setattr(runner, "execute", faulty))
     try:
-        poisoned = pb.GenerateRequest(prompt_token_ids=[*ids, poison], sampling={"max_new_tokens": 4})
+        poisoned = pb.GenerateRequest(
+            prompt_token_ids=[*ids, poison], sampling={"max_new_tokens": 4}
+        )
         barrier = threading.Barrier(4)
 
         def run(req):
