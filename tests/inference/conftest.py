@@ -1,6 +1,9 @@
 """Inference service fixtures: one real store (Redis + SeaweedFS) per test module with the
 embedded demo model registered and its PEFT adapters uploaded, and in-process inference
-replicas wired as `serve` wires them."""
+replicas wired as `serve` wires them.
+
+The store harness (redis, boto3) is imported inside the fixtures: the GPU machine lacks
+those packages and still collects this folder for its `gpu` tests."""
 
 from __future__ import annotations
 
@@ -21,8 +24,6 @@ from inference_svc.runtime import RuntimeConfig
 from tests.fixtures.servers import RedisServer, SeaweedS3Server
 from tests.inference.client import load_peft_oracle
 from tests.inference.harness import InProcessInference
-from tests.store.conftest import drop_bucket
-from tests.store.harness import InProcessStore
 
 BASE_MODEL = "tiny"
 EMBEDDED_ADAPTERS = ("docs-prose", "shouty", "unittest-style")
@@ -47,22 +48,24 @@ async def _upload(address: str, uploads: list[tuple[Path, str]]) -> None:
             await client.upload_dir(folder, name=name, base_model=BASE_MODEL)
 
 
-def upload(store: InProcessStore, uploads: list[tuple[Path, str]]) -> None:
+def upload(store, uploads: list[tuple[Path, str]]) -> None:
     asyncio.run(_upload(store.address, uploads))
 
 
 @pytest.fixture(scope="module")
 def module_bucket(s3_server: SeaweedS3Server) -> Iterator[str]:
+    from tests.store.conftest import drop_bucket
+
     bucket = f"inf-{uuid.uuid4().hex[:10]}"
     yield bucket
     drop_bucket(s3_server.endpoint_url, bucket)
 
 
 @pytest.fixture(scope="module")
-def store(
-    redis_server: RedisServer, s3_server: SeaweedS3Server, module_bucket: str
-) -> Iterator[InProcessStore]:
+def store(redis_server: RedisServer, s3_server: SeaweedS3Server, module_bucket: str):
     """A store holding the embedded adapters (version 1 each) of base model 'tiny'."""
+    from tests.store.harness import InProcessStore
+
     redis_server.flushall()
     harness = InProcessStore(redis_server.url, s3_server.endpoint_url, module_bucket).start()
     upload(harness, [(EMBEDDED_ADAPTERS_DIR / name, name) for name in EMBEDDED_ADAPTERS])
@@ -72,7 +75,7 @@ def store(
 
 @pytest.fixture(scope="module")
 def app_config(
-    store: InProcessStore, redis_server: RedisServer, s3_server: SeaweedS3Server, module_bucket
+    store, redis_server: RedisServer, s3_server: SeaweedS3Server, module_bucket
 ) -> AppConfig:
     return AppConfig(
         runtime=RuntimeConfig(
