@@ -5,8 +5,8 @@ Redis events.
 - `name` means the latest version *when a request starts*: cached until a `published` or
   `deleted` event for the name. Running requests keep the version they were given.
 - While the event subscription is down (or there is no Redis), `name` entries are trusted
-  for `latest_ttl_s` only, and the cache is dropped when the subscription (re)connects,
-  since events may have been missed.
+  for `latest_ttl_s` only; when the subscription (re)connects every entry is re-checked
+  with the store on its next use, since events may have been missed.
 - When the store cannot answer, a cached entry is used even if stale (requests for
   adapters this replica already knows, usually resident, are still served); without one
   the request gets UNAVAILABLE naming the store.
@@ -64,6 +64,7 @@ class _Entry:
     adapter: AdapterBinding
     fetched_at: float
     pinned: bool  # ref named a version
+    stale: bool = False  # re-check with the store before trusting it again
 
 
 class AdapterResolver:
@@ -100,6 +101,8 @@ class AdapterResolver:
         return adapter
 
     def _fresh(self, entry: _Entry) -> bool:
+        if entry.stale:
+            return False
         if entry.pinned or self._events_live:
             return True
         return time.monotonic() - entry.fetched_at < self.config.latest_ttl_s
@@ -167,8 +170,10 @@ class AdapterResolver:
             pubsub = client.pubsub()
             try:
                 await pubsub.subscribe(EVENTS_CHANNEL)
-                # Events may have been missed while not subscribed.
-                self._cache.clear()
+                # Events may have been missed while not subscribed; stale entries stay
+                # usable as a fallback while the store is down.
+                for entry in self._cache.values():
+                    entry.stale = True
                 self._events_live = True
                 log.info("following adapter events on %s", EVENTS_CHANNEL)
                 async for message in pubsub.listen():
