@@ -182,8 +182,8 @@ class LLMEngine:
             if s.all_logits:
                 self._score_prompt(seq, rows)
             seq.num_computed += s.query_len
-            if seq.preemptions == 0 and seq.num_computed <= len(seq.prompt_token_ids):
-                self.metrics.prompt_tokens.inc(s.query_len)
+            if s.query_len > 1:
+                self.metrics.prefill_tokens.inc(s.query_len)
             if seq.num_computed == seq.num_tokens:
                 to_sample.append((seq, rows[-1]))
         if not to_sample:
