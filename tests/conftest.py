@@ -1,4 +1,5 @@
-"""Session-wide fixtures: real Redis + SeaweedFS servers, tiny HF models on disk."""
+"""Session-wide setup: Triton interpreter without CUDA, real Redis + SeaweedFS servers, tiny
+HF models on disk."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.servers import RedisServer, SeaweedS3Server
-from tests.fixtures.tiny_models import TINY_SPECS, save_tiny_model
+from tests.fixtures.triton_interpret import use_interpreter_without_cuda
+
+# Must run before anything imports triton (see tests/fixtures/triton_interpret.py).
+use_interpreter_without_cuda()
+
+from tests.fixtures.servers import RedisServer, SeaweedS3Server  # noqa: E402
+from tests.fixtures.tiny_models import TINY_SPECS, save_tiny_model  # noqa: E402
 
 # SeaweedFS accepts any credentials when none are configured; boto3 needs some to sign.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "loraserve-test")

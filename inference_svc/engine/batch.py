@@ -1,0 +1,116 @@
+"""Batch metadata: everything the layers need about one step, built once per step.
+
+A step runs a flattened batch of T tokens from B sequences. Sequence b contributes
+query_len[b] new tokens at positions [cached_len[b], cached_len[b] + query_len[b]).
+Decode sequences (one new token) come first, so their tokens are rows [0, num_decode_tokens)
+and take the absorbed paged-attention path; prefill sequences follow and take the naive path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference_svc.engine.kv_pages import pages_for
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    """One sequence's share of a step, as the scheduler sees it."""
+
+    cached_len: int  # tokens already in the KV cache
+    query_len: int  # new tokens run this step
+    pages: tuple[int, ...]  # page table covering cached_len + query_len tokens
+    all_logits: bool = False  # logits for every new token (prompt logprobs), else the last
+
+    def __post_init__(self) -> None:
+        if self.cached_len < 0 or self.query_len <= 0:
+            raise ValueError(f"bad lengths cached={self.cached_len} query={self.query_len}")
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_len == 1
+
+
+@dataclass(frozen=True)
+class BatchMetadata:
+    """Positions, sequence layout, page tables and KV write slots of one step (device tensors).
+
+    positions: [T] int64 absolute position of each token.
+    query_start_loc: [B + 1] int32 cu_seqlens of the new tokens.
+    context_lens: [B] int32 tokens in the cache after this step's writes (what attention sees).
+    page_table: [B, max_pages] int32 (unused entries 0).
+    slot_mapping: [T] int64 flat cache row (page · page_size + offset) each token writes.
+    logits_indices: [L] int64 rows of the hidden states that need logits.
+    num_decode_seqs: sequences [0, num_decode_seqs) are decodes (one token each).
+    query_lens / context_lens_host: host copies for the prefill path's per-sequence loop.
+    """
+
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    page_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+    num_decode_seqs: int
+    query_lens: tuple[int, ...]
+    context_lens_host: tuple[int, ...]
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_seqs
+
+
+def build_batch(
+    seqs: list[SequenceStep], page_size: int, device: torch.device | str
+) -> BatchMetadata:
+    """Lay out a step's sequences (decodes first) into one `BatchMetadata`."""
+    if not seqs:
+        raise ValueError("a batch needs at least one sequence")
+    num_decodes = 0
+    while num_decodes < len(seqs) and seqs[num_decodes].is_decode:
+        num_decodes += 1
+    if any(s.is_decode for s in seqs[num_decodes:]):
+        raise ValueError("decode sequences (query_len 1) must come before prefill sequences")
+    positions, slots, logits_rows, starts = [], [], [], [0]
+    max_pages = max(len(s.pages) for s in seqs)
+    table = torch.zeros((len(seqs), max_pages), dtype=torch.int32)
+    for b, s in enumerate(seqs):
+        total = s.cached_len + s.query_len
+        if len(s.pages) < pages_for(total, page_size):
+            raise ValueError(f"sequence {b}: {len(s.pages)} pages cannot hold {total} tokens")
+        table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+        new_positions = range(s.cached_len, total)
+        positions.extend(new_positions)
+        slots.extend(s.pages[p // page_size] * page_size + p % page_size for p in new_positions)
+        first = starts[-1]
+        logits_rows.extend(
+            range(first, first + s.query_len) if s.all_logits else [first + s.query_len - 1]
+        )
+        starts.append(first + s.query_len)
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    return BatchMetadata(
+        positions=tensor(positions, torch.int64),
+        query_start_loc=tensor(starts, torch.int32),
+        context_lens=tensor([s.cached_len + s.query_len for s in seqs], torch.int32),
+        page_table=table.to(device),
+        slot_mapping=tensor(slots, torch.int64),
+        logits_indices=tensor(logits_rows, torch.int64),
+        num_decode_seqs=num_decodes,
+        query_lens=tuple(s.query_len for s in seqs),
+        context_lens_host=tuple(s.cached_len + s.query_len for s in seqs),
+        page_size=page_size,
+    )

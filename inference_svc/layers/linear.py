@@ -1,0 +1,45 @@
+"""Linear layers whose weight may fuse several checkpoint projections along the output dim.
+
+`attn.qkv_a` = q_a_proj ⊕ kv_a_proj_with_mqa and `mlp.gate_up` = gate_proj ⊕ up_proj are one
+matmul each, exactly like the canonical LoRA modules, so a LoRA delta maps 1:1 onto one call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_svc.layers.quant import QuantMethod
+from kernels.fp8 import fp8_block_linear, fp8_block_linear_ref
+
+
+class Linear(nn.Module):
+    """Semantics: y[T, N] = x[T, K] @ Wᵀ, W = slice_0 ⊕ slice_1 ⊕ ... along N."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        quant: QuantMethod,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(output_sizes)
+        self.quant = quant
+        quant.check_slices(self.output_sizes)
+        quant.create_weights(self, (self.out_features, in_features), dtype, torch.device(device))
+
+    def load(self, kind: str, tensor: torch.Tensor, slice_index: int = 0) -> None:
+        """Load checkpoint `tensor` as slice `slice_index` of the fused weight."""
+        self.quant.load(self, kind, tensor, sum(self.output_sizes[:slice_index]), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        info = self.quant.quant_info(self)
+        if info.scale is None:
+            return F.linear(x, info.weight)
+        gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref
+        return gemm(x, info.weight, info.scale, info.block)

@@ -1,0 +1,142 @@
+"""Multi-head latent attention (MLA) over the paged latent cache.
+
+Shape legend: T tokens in the step, D decode tokens (rows [0, D)), H heads, C kv_lora_rank,
+R rope dim, n qk_nope_head_dim, v v_head_dim.
+
+Projections are `Linear` calls with the input at hand, named like the canonical LoRA
+modules: `qkv_a` (q_a_proj ⊕ kv_a_proj_with_mqa, or kv_a alone when q_lora_rank is null,
+with `q` = q_proj), `q_b`, `kv_b`, `o`. Decode keeps `q_nope` (before absorbing W_UK) and
+`o_lat` (attention output in latent space, before W_UV) as explicit tensors; prefill expands
+K/V from the latent through `kv_b`, so a kv_b LoRA there is an ordinary linear delta.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from inference_svc.engine.batch import BatchMetadata
+from inference_svc.layers.linear import Linear
+from inference_svc.layers.norm import RMSNorm
+from inference_svc.layers.quant import QuantMethod, UnquantizedMethod
+from inference_svc.layers.rope import RotaryEmbedding
+from inference_svc.model.config import ModelConfig
+from kernels.mla_attention import (
+    gather_paged_rows,
+    mla_decode,
+    mla_decode_ref,
+    mla_prefill,
+    mla_prefill_ref,
+)
+
+# Query rows per prefill attention call: bounds the [H, rows, context] score matrix.
+PREFILL_CHUNK = 2048
+
+
+class MLAAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        quant: QuantMethod,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__()
+        c = config
+        self.num_heads, self.kv_lora_rank = c.num_heads, c.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        )
+        self.q_lora_rank = c.q_lora_rank
+        self.scale = c.softmax_scale
+        q_width = c.num_heads * c.qk_head_dim
+        kv_a_width = c.kv_lora_rank + c.qk_rope_head_dim
+        if c.q_lora_rank is None:
+            self.qkv_a = Linear(c.hidden_size, [kv_a_width], quant, dtype, device)
+            self.q = Linear(c.hidden_size, [q_width], quant, dtype, device)
+        else:
+            self.qkv_a = Linear(c.hidden_size, [c.q_lora_rank, kv_a_width], quant, dtype, device)
+            self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype, device)
+            self.q_b = Linear(c.q_lora_rank, [q_width], quant, dtype, device)
+        self.kv_a_norm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, dtype, device)
+        # kv_b stays unquantized: the absorbed decode reads its per-head W_UK / W_UV directly.
+        self.kv_b = Linear(
+            c.kv_lora_rank, [c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)],
+            UnquantizedMethod(), dtype, device,
+        )  # fmt: skip
+        self.o = Linear(c.num_heads * c.v_head_dim, [c.hidden_size], quant, dtype, device)
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b's weight split per head: W_UK [H, n, C] and W_UV [H, v, C]."""
+        w = self.kv_b.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: BatchMetadata,
+        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_pool: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [T, hidden] → [T, hidden]; writes this step's latent rows into `kv_pool`."""
+        tokens = x.shape[0]
+        qkv_a = self.qkv_a(x)
+        if self.q_lora_rank is None:
+            q = self.q(x)
+            kv_a = qkv_a
+        else:
+            q_a, kv_a = qkv_a.split([self.q_lora_rank, qkv_a.shape[-1] - self.q_lora_rank], -1)
+            q = self.q_b(self.q_a_norm(q_a))
+        q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, n], [T, H, R]
+        latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_norm(latent)  # [T, C]
+        cos, sin = cos_sin
+        q_rope = rope(q_rope, cos, sin)
+        k_rope = rope(k_rope, cos, sin)  # [T, R]
+        flat_pool = kv_pool.view(-1, kv_pool.shape[-1])
+        flat_pool[batch.slot_mapping] = torch.cat([latent, k_rope], dim=-1).to(kv_pool.dtype)
+
+        out = x.new_empty((tokens, self.num_heads, self.v_dim))  # [T, H, v]
+        decodes = batch.num_decode_tokens
+        if decodes:
+            out[:decodes] = self._decode(q_nope[:decodes], q_rope[:decodes], batch, kv_pool)
+        if decodes < tokens:
+            self._prefill(q_nope, q_rope, batch, kv_pool, out)
+        return self.o(out.view(tokens, self.num_heads * self.v_dim))
+
+    def _decode(self, q_nope, q_rope, batch: BatchMetadata, kv_pool) -> torch.Tensor:
+        """Absorbed attention of the D decode tokens: [D, H, n], [D, H, R] → [D, H, v]."""
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, C]
+        n = batch.num_decode_seqs
+        attend = mla_decode if q_nope.is_cuda else mla_decode_ref
+        o_lat = attend(
+            q_lat.contiguous(), q_rope.contiguous(), kv_pool,
+            batch.page_table[:n], batch.context_lens[:n], self.scale,
+        )  # [D, H, C]  # fmt: skip
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _prefill(self, q_nope, q_rope, batch: BatchMetadata, kv_pool, out: torch.Tensor) -> None:
+        """Naive causal attention of each prefill sequence against its whole cached context."""
+        attend = mla_prefill if q_nope.is_cuda else mla_prefill_ref
+        q_full = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, n+R]
+        start = batch.num_decode_tokens
+        for b in range(batch.num_decode_seqs, batch.num_seqs):
+            q_len, ctx = batch.query_lens[b], batch.context_lens_host[b]
+            rows = gather_paged_rows(kv_pool, batch.page_table[b], ctx)  # [ctx, C+R]
+            latent, k_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            kv = self.kv_b(latent.to(q_full.dtype)).view(ctx, self.num_heads, -1)
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [ctx, H, n], [ctx, H, v]
+            k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+            for c0 in range(0, q_len, PREFILL_CHUNK):
+                c1 = min(q_len, c0 + PREFILL_CHUNK)
+                offset = ctx - q_len + c0
+                out[start + c0 : start + c1] = attend(
+                    q_full[start + c0 : start + c1], k[: offset + c1 - c0], v[: offset + c1 - c0],
+                    self.scale, offset,
+                )  # fmt: skip
+            start += q_len

@@ -1,0 +1,142 @@
+"""Dense MLP, the MoE router and routed experts run as explicit fused-MoE stages.
+
+Shape legend: T tokens, k experts per token, P = T·k (token, expert) pairs, E experts,
+I moe_intermediate_size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from inference_svc.layers.linear import Linear
+from inference_svc.layers.quant import QuantInfo, QuantMethod
+from inference_svc.model.config import RoutingConfig
+from kernels import fused_moe as fm
+
+# Row tile of the grouped GEMM: pairs of one expert are padded to a multiple of it.
+MOE_BLOCK_M = 16
+
+
+class DenseMLP(nn.Module):
+    """Semantics: down(silu(gate·x) ⊙ up·x), with `gate_up` one fused matmul."""
+
+    def __init__(self, hidden: int, inter: int, quant: QuantMethod, dtype, device):
+        super().__init__()
+        self.gate_up = Linear(hidden, [inter, inter], quant, dtype, device)
+        self.down = Linear(inter, [hidden], quant, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)  # [T, 2·inter]
+        act = fm.silu_mul(gate_up) if x.is_cuda else fm.silu_mul_ref(gate_up)
+        return self.down(act)
+
+
+class Router(nn.Module):
+    """Picks k experts per token and their weights (float32, like the reference)."""
+
+    def __init__(self, hidden: int, routing: RoutingConfig, device):
+        super().__init__()
+        self.routing = routing
+        e = routing.num_experts
+        self.weight = nn.Parameter(
+            torch.empty(e, hidden, dtype=torch.float32, device=device), False
+        )
+        if routing.method == "noaux_tc":  # only V3's aux-loss-free routing has the bias
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(e, dtype=torch.float32, device=device), False
+            )
+
+    def _group_mask(self, choice: torch.Tensor, group_score: str) -> torch.Tensor:
+        """[T, E] bool: experts in the `topk_group` best of `n_group` groups."""
+        r = self.routing
+        grouped = choice.view(choice.shape[0], r.n_group, -1)  # [T, G, E/G]
+        if group_score == "top2_sum":
+            scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        else:
+            scores = grouped.max(dim=-1).values
+        best = scores.topk(r.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, best, True)
+        return mask[:, :, None].expand_as(grouped).reshape_as(choice)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] → topk_weights [T, k] float32, topk_ids [T, k] int64."""
+        r = self.routing
+        logits = x.float() @ self.weight.T  # [T, E]
+        if r.method == "noaux_tc":
+            # DeepSeek-V3: sigmoid scores; the correction bias steers only the selection.
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            choice = choice.masked_fill(~self._group_mask(choice, "top2_sum"), float("-inf"))
+            ids = choice.topk(r.top_k, dim=-1, sorted=False).indices
+            weights = scores.gather(1, ids)
+            if r.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return weights * r.routed_scaling_factor, ids
+        scores = logits.softmax(dim=-1)
+        if r.method == "group_limited_greedy":
+            scores = scores.masked_fill(~self._group_mask(scores, "max"), 0.0)
+        weights, ids = scores.topk(r.top_k, dim=-1, sorted=False)
+        # DeepSeek-V2 either renormalises the top-k weights or scales them, never both.
+        if r.top_k > 1 and r.norm_topk_prob:
+            return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
+        return weights * r.routed_scaling_factor, ids
+
+
+class RoutedExperts(nn.Module):
+    """E experts stored stacked: w13 [E, 2I, hidden] (gate ⊕ up), w2 [E, hidden, I]."""
+
+    def __init__(
+        self, num_experts: int, hidden: int, inter: int, quant: QuantMethod, dtype, device
+    ):
+        super().__init__()
+        self.num_experts, self.inter = num_experts, inter
+        self.quant = quant
+        quant.check_slices([inter, inter])
+        self.w13 = nn.Module()
+        self.w2 = nn.Module()
+        quant.create_weights(
+            self.w13, (num_experts, 2 * inter, hidden), dtype, torch.device(device)
+        )
+        quant.create_weights(self.w2, (num_experts, hidden, inter), dtype, torch.device(device))
+
+    def load(
+        self, which: str, kind: str, tensor: torch.Tensor, expert: int | None, slice_index: int
+    ) -> None:
+        """Load one checkpoint tensor: `which` is w13 (slice 0 gate, 1 up) or w2.
+
+        expert None: the tensor holds all experts ([E, N, K] fused checkpoint layout).
+        """
+        module = self.w13 if which == "w13" else self.w2
+        row = slice_index * self.inter
+        if expert is None:
+            for e in range(self.num_experts):
+                self.quant.load(module, kind, tensor[e], row, e)
+        else:
+            self.quant.load(module, kind, tensor, row, expert)
+
+    def quant_info(self) -> tuple[QuantInfo, QuantInfo]:
+        return self.quant.quant_info(self.w13), self.quant.quant_info(self.w2)
+
+
+class MoE(nn.Module):
+    """Routed experts: route → align → gate_up → SiLU·mul → down → combine."""
+
+    def __init__(
+        self, hidden: int, inter: int, routing: RoutingConfig, quant: QuantMethod, dtype, device
+    ):
+        super().__init__()
+        self.gate = Router(hidden, routing, device)
+        self.experts = RoutedExperts(routing.num_experts, hidden, inter, quant, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)  # [T, k]
+        w13, w2 = self.experts.quant_info()
+        triton_path = x.is_cuda
+        align = fm.moe_align(topk_ids, self.experts.num_experts, MOE_BLOCK_M)
+        gemm = fm.grouped_gemm if triton_path else fm.grouped_gemm_ref
+        top_k = topk_ids.shape[1]
+        gate_up = gemm(x, w13.weight, align, top_k, w13.scale, w13.block)  # [P, 2I]
+        act = (fm.silu_mul if triton_path else fm.silu_mul_ref)(gate_up)  # [P, I]
+        pair_out = gemm(act, w2.weight, align, 1, w2.scale, w2.block)  # [P, hidden]
+        return (fm.moe_combine if triton_path else fm.moe_combine_ref)(pair_out, topk_weights)

@@ -1,0 +1,136 @@
+"""Weight quantization methods: how a linear or expert weight is stored and multiplied.
+
+A quant method creates a layer's weight parameters, loads checkpoint tensors into them and
+describes them to the kernels as a `QuantInfo`. `bf16` stores the weight in the activation
+dtype (bf16 on GPU, float32 on CPU); `fp8_block` keeps DeepSeek-V3's e4m3 weights with one
+float32 `weight_scale_inv` per 128×128 block. Issue 6 adds INT8 / 4-bit methods here.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.fp8 import FP8_DTYPE
+
+
+@dataclass(frozen=True)
+class QuantInfo:
+    """What a GEMM needs to multiply by a stored weight.
+
+    weight: [..., N, K] (a leading expert dim E for MoE), float or float8_e4m3fn.
+    scale:  [..., ceil(N/block_n), ceil(K/block_k)] float32 (dequant = weight · scale), or None.
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+    block: tuple[int, int] | None = None
+
+
+class QuantMethod(abc.ABC):
+    """Interface every weight format implements; an incomplete subclass cannot be built."""
+
+    name: str
+
+    @abc.abstractmethod
+    def create_weights(
+        self, module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Register the parameters of a weight of logical `shape` ([..., N, K]) on `module`."""
+
+    @abc.abstractmethod
+    def check_slices(self, output_sizes: list[int]) -> None:
+        """Raise if fused slices of these output widths cannot share one stored weight."""
+
+    @abc.abstractmethod
+    def quant_info(self, module: nn.Module) -> QuantInfo:
+        """The stored weight as the kernels take it."""
+
+    @abc.abstractmethod
+    def load(
+        self, module: nn.Module, kind: str, tensor: torch.Tensor, row: int, expert: int | None
+    ) -> None:
+        """Copy a checkpoint tensor (`kind` "weight" or "scale") to output rows from `row`."""
+
+
+def _rows(param: torch.Tensor, expert: int | None) -> torch.Tensor:
+    return param if expert is None else param[expert]
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, row: int, what: str) -> None:
+    """dst[row:row+n] = src, with the shape checked so a wrong checkpoint fails loudly."""
+    if src.dim() != dst.dim() or src.shape[1:] != dst.shape[1:] or row + src.shape[0] > len(dst):
+        raise ValueError(
+            f"{what}: checkpoint shape {tuple(src.shape)} does not fit {tuple(dst.shape)}"
+        )
+    dst[row : row + src.shape[0]].copy_(src)
+
+
+class UnquantizedMethod(QuantMethod):
+    """The weight in the activation dtype (`bf16` on GPU, float32 on CPU)."""
+
+    name = "bf16"
+
+    def create_weights(self, module, shape, dtype, device) -> None:
+        module.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), False)
+
+    def check_slices(self, output_sizes: list[int]) -> None:
+        return None
+
+    def quant_info(self, module: nn.Module) -> QuantInfo:
+        return QuantInfo(weight=module.weight)
+
+    def load(self, module, kind, tensor, row, expert) -> None:
+        if kind != "weight":
+            raise ValueError(f"{type(module).__name__} is unquantized but got a {kind} tensor")
+        _copy_rows(_rows(module.weight, expert), tensor, row, "weight")
+
+
+class Fp8BlockMethod(QuantMethod):
+    """e4m3 weight + float32 `weight_scale_inv` per (block_n × block_k) block."""
+
+    name = "fp8_block"
+
+    def __init__(self, block_n: int, block_k: int):
+        self.block_n, self.block_k = block_n, block_k
+
+    def create_weights(self, module, shape, dtype, device) -> None:
+        *lead, n, k = shape
+        blocks = (*lead, -(-n // self.block_n), -(-k // self.block_k))
+        module.weight = nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device=device), False)
+        module.weight_scale_inv = nn.Parameter(
+            torch.empty(blocks, dtype=torch.float32, device=device), False
+        )
+
+    def check_slices(self, output_sizes: list[int]) -> None:
+        for size in output_sizes[:-1]:
+            if size % self.block_n:
+                raise ValueError(
+                    f"fused slice of width {size} is not a multiple of the fp8 block "
+                    f"{self.block_n}: the slices' scale blocks would overlap"
+                )
+
+    def quant_info(self, module: nn.Module) -> QuantInfo:
+        return QuantInfo(module.weight, module.weight_scale_inv, (self.block_n, self.block_k))
+
+    def load(self, module, kind, tensor, row, expert) -> None:
+        if kind == "weight" and tensor.dtype != FP8_DTYPE:
+            raise ValueError(f"fp8_block layer got a {tensor.dtype} weight; expected e4m3")
+        if kind == "weight":
+            _copy_rows(_rows(module.weight, expert), tensor, row, "weight")
+        else:
+            _copy_rows(_rows(module.weight_scale_inv, expert), tensor, row // self.block_n, "scale")
+
+
+def make_quant_method(name: str, block: tuple[int, int] | None = None) -> QuantMethod:
+    """The quant method called `name`; an unknown name is a start-up error."""
+    if name == UnquantizedMethod.name:
+        return UnquantizedMethod()
+    if name == Fp8BlockMethod.name:
+        if block is None:
+            raise ValueError("fp8_block needs a weight block size")
+        return Fp8BlockMethod(*block)
+    raise ValueError(f"unknown quant method {name!r} (known: bf16, fp8_block)")

@@ -1,0 +1,86 @@
+"""DeepSeek-V2/V3 decoder over a flattened batch (prefill and decode tokens together).
+
+Module names follow the canonical LoRA modules: `layers.L.attn.{qkv_a,q,q_b,kv_b,o}`,
+`layers.L.mlp.{gate_up,down}` (dense layers and shared experts), `layers.L.moe` (routed).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from inference_svc.engine.batch import BatchMetadata
+from inference_svc.engine.kv_pages import KVCache
+from inference_svc.layers.mla import MLAAttention
+from inference_svc.layers.moe import DenseMLP, MoE
+from inference_svc.layers.norm import RMSNorm
+from inference_svc.layers.quant import QuantMethod
+from inference_svc.layers.rope import RotaryEmbedding
+from inference_svc.model.config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, quant: QuantMethod, dtype, device):
+        super().__init__()
+        c = config
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.attn = MLAAttention(c, quant, dtype, device)
+        self.moe: MoE | None = None
+        self.mlp: DenseMLP | None = None
+        if c.is_moe_layer(index):
+            self.moe = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, quant, dtype, device)
+            if c.n_shared_experts:
+                shared_inter = c.moe_intermediate_size * c.n_shared_experts
+                self.mlp = DenseMLP(c.hidden_size, shared_inter, quant, dtype, device)
+        else:
+            self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, quant, dtype, device)
+
+    def forward(self, h, batch, rope, cos_sin, kv_pool) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), batch, rope, cos_sin, kv_pool)
+        x = self.post_attn_norm(h)
+        if self.moe is None:
+            return h + self.mlp(x)
+        ffn = self.moe(x)
+        if self.mlp is not None:
+            ffn = ffn + self.mlp(x)
+        return h + ffn
+
+
+class DeepseekV3Model(nn.Module):
+    """Embedding → decoder layers → final norm; `compute_logits` applies the LM head."""
+
+    def __init__(self, config: ModelConfig, quant: QuantMethod, dtype: torch.dtype, device):
+        super().__init__()
+        c = config
+        self.config = config
+        self.dtype = dtype
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, i, quant, dtype, device) for i in range(c.num_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.lm_head = nn.Linear(
+            c.hidden_size, c.vocab_size, bias=False, dtype=dtype, device=device
+        )
+        self.lm_head.weight.requires_grad_(False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rope = RotaryEmbedding(c.rope, device)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, batch: BatchMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """input_ids [T] → final hidden states [T, hidden]; writes the step's KV rows."""
+        h = self.embed(input_ids)
+        cos_sin = self.rope.cos_sin(batch.positions)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, batch, self.rope, cos_sin, kv_cache.layer(i))
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [L, hidden] → logits [L, vocab] in float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,297 @@
+"""Fused MoE as explicit stages over (token, expert) pairs.
+
+    route (inference_svc.layers.moe) → moe_align → grouped_gemm(w13) → silu_mul
+    → grouped_gemm(w2) → moe_combine
+
+A pair p = t·k + j is token t's j-th chosen expert. `moe_align` sorts pairs by expert and
+pads each expert's run to a multiple of the GEMM's row tile, so one program multiplies a
+tile of rows that all use the same expert. Intermediates are kept in pair order
+([P, 2·I] after gate_up, [P, I] after SiLU·mul, [P, hidden] after down) so the MoE-LoRA
+work can add per-pair deltas between stages. Each stage has a Triton launcher and a torch
+reference `*_ref`; `fused_moe_ref` is an independent per-expert loop for end-to-end checks.
+
+Shapes: T tokens, k experts per token, P = T·k pairs, E experts, K input width, N output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8 import block_dequant_ref
+
+
+@dataclass(frozen=True)
+class MoEAlignment:
+    """Pairs sorted by expert, each expert's run padded to a multiple of `block_m`.
+
+    sorted_pair_ids: [max_padded] int32; padding entries hold P (an out-of-range pair id).
+    block_expert_ids: [max_padded / block_m] int32; the expert of each row tile, or -1 for
+        tiles past the last expert's run.
+    expert_offsets: [E + 1] int32; run of expert e is sorted_pair_ids[offsets[e]:offsets[e+1]].
+    expert_counts: [E] int32; real (unpadded) pairs of each expert.
+    """
+
+    sorted_pair_ids: torch.Tensor
+    block_expert_ids: torch.Tensor
+    expert_offsets: torch.Tensor
+    expert_counts: torch.Tensor
+    block_m: int
+    num_pairs: int
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static upper bound of the padded length (fixed per batch size: CUDA-graph safe)."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Semantics: stable-sort pairs p by topk_ids.flat[p], pad each expert's run to block_m.
+
+    Plain torch ops without host synchronisation, so it runs (and is captured in CUDA
+    graphs) on either device.
+    Args:
+        topk_ids: [T, k] integer expert ids in [0, E).
+    """
+    flat = topk_ids.flatten().long()  # [P]
+    num_pairs, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without a host sync
+    padded = (counts + block_m - 1) // block_m * block_m
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    offsets = torch.cat([zero, padded.cumsum(0)])  # [E+1]
+    unpadded_offsets = torch.cat([zero, counts.cumsum(0)[:-1]])  # [E]
+    order = torch.argsort(flat, stable=True)  # pair ids, grouped by expert
+    experts_sorted = flat[order]
+    rank_in_expert = torch.arange(num_pairs, device=device) - unpadded_offsets[experts_sorted]
+    total = max_padded_pairs(num_pairs, num_experts, block_m)
+    sorted_ids = torch.full((total,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[offsets[experts_sorted] + rank_in_expert] = order.to(torch.int32)
+    tile_starts = torch.arange(0, total, block_m, device=device)
+    block_experts = torch.searchsorted(offsets[1:], tile_starts, right=True)
+    block_experts = torch.where(tile_starts < offsets[-1], block_experts, -1)
+    return MoEAlignment(
+        sorted_pair_ids=sorted_ids,
+        block_expert_ids=block_experts.to(torch.int32),
+        expert_offsets=offsets.to(torch.int32),
+        expert_counts=counts.to(torch.int32),
+        block_m=block_m,
+        num_pairs=num_pairs,
+    )
+
+
+def _dequant_expert(w: torch.Tensor, scale: torch.Tensor | None, block, e: int) -> torch.Tensor:
+    if scale is None:
+        return w[e].float()
+    return block_dequant_ref(w[e], scale[e], block)
+
+
+def grouped_gemm_ref(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    align: MoEAlignment,
+    rows_per_a: int,
+    w_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Semantics: out[p] = a[p // rows_per_a] @ W[expert(p)]ᵀ for every real pair p.
+
+    Args:
+        a: [P / rows_per_a, K] activations (tokens for gate_up: rows_per_a = k; pairs for
+            down: rows_per_a = 1).
+        w: [E, N, K] expert weights (float, or e4m3 with `w_scale` [E, N/bn, K/bk]).
+    Returns: [P, N] in a's dtype, float32 accumulation.
+    """
+    out = torch.zeros((align.num_pairs, w.shape[1]), dtype=a.dtype, device=a.device)
+    offsets, counts = align.expert_offsets.tolist(), align.expert_counts.tolist()
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = align.sorted_pair_ids[offsets[e] : offsets[e] + count].long()
+        weight = _dequant_expert(w, w_scale, block, e)  # [N, K]
+        out[pairs] = (a[pairs // rows_per_a].float() @ weight.T).to(a.dtype)
+    return out
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
+    N, K, num_pairs, rows_per_a,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    BN: tl.constexpr, BK: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert < 0:
+        return
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    real = pair < num_pairs
+    a_row = pair // rows_per_a
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        a = tl.load(
+            a_ptr + a_row[:, None].to(tl.int64) * stride_am + k[None, :],
+            mask=real[:, None] & (k[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            w_base + offs_n[None, :] * stride_wn + k[:, None],
+            mask=(offs_n[None, :] < N) & (k[:, None] < K),
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]
+        if HAS_SCALE:
+            # BLOCK_K divides BK: the tile lies in one scale block along K.
+            s = tl.load(
+                s_ptr + expert.to(tl.int64) * stride_se + (offs_n // BN) * stride_sn + k0 // BK,
+                mask=offs_n < N,
+                other=0.0,
+            )
+            acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
+        else:
+            acc += tl.dot(a, b)
+    tl.store(
+        out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=real[:, None] & (offs_n[None, :] < N),
+    )  # fmt: skip
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    align: MoEAlignment,
+    rows_per_a: int,
+    w_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Triton version of `grouped_gemm_ref` (same arguments and result)."""
+    num_experts, n, k = w.shape
+    if a.shape[-1] != k or a.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError(f"a {tuple(a.shape)} / w {tuple(w.shape)}: K mismatch or strided K")
+    bn, bk = block if block is not None else (1, 1)  # unused without a scale
+    if w_scale is not None and w_scale.shape != (
+        num_experts,
+        triton.cdiv(n, bn),
+        triton.cdiv(k, bk),
+    ):
+        raise ValueError(f"w_scale {tuple(w_scale.shape)} does not match w / block {block}")
+    block_k = min(64, bk) if w_scale is not None else 64
+    out = torch.empty((align.num_pairs, n), dtype=a.dtype, device=a.device)
+    scale = w_scale if w_scale is not None else w  # unused pointer when HAS_SCALE is False
+    block_n = 64
+    grid = (align.block_expert_ids.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, w, scale, out, align.sorted_pair_ids, align.block_expert_ids,
+        n, k, align.num_pairs, rows_per_a,
+        a.stride(0), w.stride(0), w.stride(1),
+        scale.stride(0) if w_scale is not None else 0,
+        scale.stride(1) if w_scale is not None else 0,
+        out.stride(0),
+        BN=bn, BK=bk, HAS_SCALE=w_scale is not None,
+        BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """Semantics: [R, 2I] → silu(g) · u, where g, u = gate_up[:, :I], gate_up[:, I:]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate_up.dtype)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    out = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Triton version of `silu_mul_ref`."""
+    rows, width = gate_up.shape
+    if width % 2 or gate_up.stride(-1) != 1:
+        raise ValueError(f"gate_up {tuple(gate_up.shape)} must be [R, 2I], unit-stride")
+    inter = width // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(inter))
+        grid = (rows, triton.cdiv(inter, block))
+        _silu_mul_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block)
+    return out
+
+
+def moe_combine_ref(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Semantics: out[t] = Σ_j topk_weights[t, j] · pair_out[t·k + j] (float32 sum).
+
+    Args:
+        pair_out: [T·k, H]; topk_weights: [T, k] float32. Returns [T, H] in pair_out's dtype.
+    """
+    tokens, k = topk_weights.shape
+    weighted = pair_out.float().view(tokens, k, -1) * topk_weights.float()[:, :, None]
+    return weighted.sum(dim=1).to(pair_out.dtype)
+
+
+@triton.jit
+def _moe_combine_kernel(
+    y_ptr, w_ptr, out_ptr, hidden, stride_y, stride_o, TOPK: tl.constexpr, BLOCK: tl.constexpr
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(TOPK):
+        weight = tl.load(w_ptr + token * TOPK + j)
+        y = tl.load(y_ptr + (token * TOPK + j) * stride_y + cols, mask=mask, other=0.0)
+        acc += weight * y.to(tl.float32)
+    tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_combine(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Triton version of `moe_combine_ref`."""
+    tokens, k = topk_weights.shape
+    hidden = pair_out.shape[-1]
+    if pair_out.shape[0] != tokens * k or pair_out.stride(-1) != 1:
+        raise ValueError(f"pair_out {tuple(pair_out.shape)} is not [T·k, H] for T={tokens}, k={k}")
+    weights = topk_weights.float().contiguous()
+    out = torch.empty((tokens, hidden), dtype=pair_out.dtype, device=pair_out.device)
+    if tokens:
+        block = min(1024, triton.next_power_of_2(hidden))
+        grid = (tokens, triton.cdiv(hidden, block))
+        _moe_combine_kernel[grid](
+            pair_out, weights, out, hidden, pair_out.stride(0), out.stride(0), TOPK=k, BLOCK=block
+        )
+    return out
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Semantics: y[t] = Σ_j w[t,j] · W2[e]·(silu(G[e]·x[t]) ⊙ U[e]·x[t]), e = topk_ids[t, j].
+
+    A per-expert loop independent of the staged path, in float32. w13 [E, 2I, K] = G ⊕ U,
+    w2 [E, K, I] (float weights). Returns [T, K] in x's dtype.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        h = silu_mul_ref(x[token].float() @ w13[e].float().T)
+        y = h @ w2[e].float().T
+        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    return out.to(x.dtype)

@@ -1,0 +1,264 @@
+"""MLA attention: absorbed decode over the paged latent cache, and causal prefill.
+
+Decode (absorbed): each cached token is one row [c ⊕ k_rope] of width C + R shared by all
+heads. With q_lat = q_nope · W_UK (per head, done by the caller):
+    score[h, t] = (q_lat[h] · c[t] + q_rope[h] · k_rope[t]) · scale
+    o_lat[h]    = Σ_t softmax_t(score[h]) · c[t]
+and the caller maps o_lat through W_UV. Heads form the M dimension of the tile (all heads
+share the same K/V rows), and long contexts are split over programs (split-K) whose partial
+results are merged by their log-sum-exp.
+
+Prefill (naive): K/V are expanded from the latent by kv_b, so this is ordinary causal
+attention with query i of a chunk at absolute position offset + i.
+
+Shapes: B sequences, H heads, C kv_lora_rank, R rope dim, S page size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def gather_paged_rows(
+    kv_pool: torch.Tensor, page_table_row: torch.Tensor, length: int
+) -> torch.Tensor:
+    """The first `length` cached rows [length, C+R] of one sequence, in position order."""
+    page_size = kv_pool.shape[1]
+    pages = page_table_row[: triton.cdiv(length, page_size)].long()
+    return kv_pool[pages].reshape(-1, kv_pool.shape[-1])[:length]
+
+
+def mla_decode_ref(
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Semantics: o_lat[b,h] = Σ_t softmax_t(scale·(q_lat[b,h]·c[t] + q_rope[b,h]·k_rope[t])) c[t].
+
+    Args:
+        q_lat: [B, H, C]; q_rope: [B, H, R] (already rotated).
+        kv_pool: [pages, S, C + R] latent cache of one layer.
+        page_table: [B, max_pages] int32; context_lens: [B] int32 (tokens t < len attend).
+    Returns: o_lat [B, H, C] in q_lat's dtype (float32 math).
+    """
+    latent_dim = q_lat.shape[-1]
+    out = torch.empty_like(q_lat)
+    for b, length in enumerate(context_lens.tolist()):
+        rows = gather_paged_rows(kv_pool, page_table[b], length).float()  # [L, C+R]
+        latent, k_rope = rows[:, :latent_dim], rows[:, latent_dim:]
+        scores = (q_lat[b].float() @ latent.T + q_rope[b].float() @ k_rope.T) * scale  # [H, L]
+        out[b] = (scores.softmax(dim=-1) @ latent).to(q_lat.dtype)
+    return out
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_lat_ptr, q_rope_ptr, kv_ptr, page_table_ptr, ctx_ptr, o_part_ptr, lse_part_ptr,
+    H, scale,
+    stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_kvp, stride_kvs, stride_ptb,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    b, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < H
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    q_lat = tl.load(
+        q_lat_ptr + b * stride_qlb + heads[:, None] * stride_qlh + offs_c[None, :],
+        mask=head_mask[:, None] & (offs_c[None, :] < C),
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_C]
+    q_rope = tl.load(
+        q_rope_ptr + b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
+        mask=head_mask[:, None] & (offs_r[None, :] < R),
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_R]
+    ctx = tl.load(ctx_ptr + b)
+    per_split = (ctx + NUM_SPLITS - 1) // NUM_SPLITS
+    split_len = (per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    denom = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_mask = t < end
+        page = tl.load(page_table_ptr + b * stride_ptb + t // PAGE_SIZE, mask=t_mask, other=0)
+        row = page.to(tl.int64) * stride_kvp + (t % PAGE_SIZE) * stride_kvs
+        latent = tl.load(
+            kv_ptr + row[:, None] + offs_c[None, :],
+            mask=t_mask[:, None] & (offs_c[None, :] < C),
+            other=0.0,
+        )  # [BLOCK_T, BLOCK_C]
+        k_rope = tl.load(
+            kv_ptr + row[:, None] + C + offs_r[None, :],
+            mask=t_mask[:, None] & (offs_r[None, :] < R),
+            other=0.0,
+        )  # [BLOCK_T, BLOCK_R]
+        s = tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(k_rope))
+        s = tl.where(t_mask[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_T]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
+        m = m_new
+
+    has_tokens = start < end
+    safe_denom = tl.where(has_tokens, denom, 1.0)
+    lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
+    o_base = o_part_ptr + b * stride_ob + split * stride_os
+    tl.store(
+        o_base + heads[:, None] * stride_oh + offs_c[None, :],
+        acc / safe_denom[:, None],
+        mask=head_mask[:, None] & (offs_c[None, :] < C),
+    )
+    tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    b, h = tl.program_id(0), tl.program_id(1)
+    offs_c = tl.arange(0, BLOCK_C)
+    lse_max = float("-inf")
+    for s in range(NUM_SPLITS):
+        lse_max = tl.maximum(lse_max, tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + s))
+    total = 0.0
+    acc = tl.zeros((BLOCK_C,), tl.float32)
+    for s in range(NUM_SPLITS):
+        lse = tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + s)
+        weight = tl.exp(lse - lse_max)  # 0 for empty splits (lse = -inf)
+        part = tl.load(
+            o_part_ptr + b * stride_ob + h * stride_oh + s * stride_os + offs_c,
+            mask=offs_c < C,
+            other=0.0,
+        )
+        acc += weight * part
+        total += weight
+    tl.store(
+        out_ptr + b * stride_outb + h * stride_outh + offs_c,
+        (acc / total).to(out_ptr.dtype.element_ty),
+        mask=offs_c < C,
+    )
+
+
+def default_num_splits(batch: int, heads: int, block_h: int = 16) -> int:
+    """Split-K factor from the launch shape only (so a captured CUDA graph stays valid).
+
+    Aims at ~2 programs per SM of an H100/H200 (132 SMs); at most 16 splits.
+    """
+    programs = batch * triton.cdiv(heads, block_h)
+    return max(1, min(16, triton.cdiv(264, programs)))
+
+
+def mla_decode(
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton version of `mla_decode_ref` (same arguments; `num_splits` = split-K factor)."""
+    batch, heads, latent_dim = q_lat.shape
+    rope_dim = q_rope.shape[-1]
+    pages, page_size, width = kv_pool.shape
+    if width != latent_dim + rope_dim or q_rope.shape[:2] != (batch, heads):
+        raise ValueError(
+            f"q_lat {tuple(q_lat.shape)}, q_rope {tuple(q_rope.shape)}, kv_pool "
+            f"{tuple(kv_pool.shape)}: need kv width C + R"
+        )
+    if page_table.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError("page_table / context_lens must have one row per sequence")
+    if q_lat.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_pool.stride(-1) != 1:
+        raise ValueError("q_lat, q_rope and kv_pool need unit stride in the last dim")
+    block_h = 16
+    splits = num_splits or default_num_splits(batch, heads, block_h)
+    o_part = torch.empty(
+        (batch, heads, splits, latent_dim), dtype=torch.float32, device=q_lat.device
+    )
+    lse_part = torch.empty((batch, heads, splits), dtype=torch.float32, device=q_lat.device)
+    out = torch.empty_like(q_lat)
+    if batch == 0:
+        return out
+    block_c = triton.next_power_of_2(latent_dim)
+    block_r = max(16, triton.next_power_of_2(rope_dim))
+    block_t = 32 if block_c <= 256 else 16
+    grid = (batch, triton.cdiv(heads, block_h), splits)
+    _mla_decode_kernel[grid](
+        q_lat, q_rope, kv_pool, page_table, context_lens, o_part, lse_part,
+        heads, scale,
+        q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), page_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        C=latent_dim, R=rope_dim, BLOCK_C=block_c, BLOCK_R=block_r, PAGE_SIZE=page_size,
+        BLOCK_H=block_h, BLOCK_T=block_t, NUM_SPLITS=splits,
+    )  # fmt: skip
+    _mla_decode_merge_kernel[(batch, heads)](
+        o_part, lse_part, out,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        C=latent_dim, BLOCK_C=block_c, NUM_SPLITS=splits,
+    )  # fmt: skip
+    return out
+
+
+def mla_prefill_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int
+) -> torch.Tensor:
+    """Semantics: out[i,h] = Σ_{j ≤ offset+i} softmax_j(scale · q[i,h]·k[j,h]) v[j,h].
+
+    Args:
+        q: [Tq, H, D]; k: [Tk, H, D]; v: [Tk, H, Dv]; query i sits at position offset + i.
+    Returns: [Tq, H, Dv] in q's dtype (float32 math).
+    """
+    tq, tk = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale  # [H, Tq, Tk]
+    allowed = torch.arange(tk, device=q.device)[None, :] <= (
+        offset + torch.arange(tq, device=q.device)[:, None]
+    )
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v.float()).to(q.dtype)
+
+
+def mla_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int
+) -> torch.Tensor:
+    """GPU path of `mla_prefill_ref` through torch SDPA (flash / memory-efficient kernels).
+
+    V is zero-padded to the query/key head width because the flash backend needs one head
+    width; the padded output columns are dropped.
+    """
+    tq, tk = q.shape[0], k.shape[0]
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - dv))
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, T, D]
+    if offset == 0 and tq == tk:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale
+        )
+    else:
+        allowed = torch.arange(tk, device=q.device)[None, :] <= (
+            offset + torch.arange(tq, device=q.device)[:, None]
+        )
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=allowed, scale=scale
+        )
+    return out[0].transpose(0, 1)[..., :dv]

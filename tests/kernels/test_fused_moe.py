@@ -1,0 +1,133 @@
+"""Fused-MoE stages: alignment invariants, and each Triton stage against its reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import fused_moe as fm
+from kernels.fp8 import block_quant_ref
+from tests.fixtures.triton_interpret import kernel_device
+
+DEVICE = kernel_device()
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+# bf16 loads are wrong in the interpreter: bf16 runs on the GPU only.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def routing(tokens: int, experts: int, top_k: int, pattern: str, seed: int = 0):
+    """topk_ids [T, k] (distinct per token) and weights for a popularity pattern."""
+    g = torch.Generator().manual_seed(seed)
+    if pattern == "one_expert_per_slot":  # every token's j-th choice is expert j
+        ids = torch.arange(top_k).repeat(tokens, 1)
+    elif pattern == "skewed":  # experts [0, k+1) only: most experts empty
+        few = min(top_k + 1, experts)
+        ids = torch.stack([torch.randperm(few, generator=g)[:top_k] for _ in range(tokens)])
+    else:
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    return ids, weights
+
+
+PATTERNS = ["uniform", "skewed", "one_expert_per_slot"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,block_m", [(1, 8, 2, 16), (37, 12, 3, 16), (5, 4, 4, 32)]
+)
+def test_align_invariants(pattern, tokens, experts, top_k, block_m):
+    ids, _ = routing(tokens, experts, top_k, pattern)
+    align = fm.moe_align(ids, experts, block_m)
+    pairs = tokens * top_k
+    sorted_ids = align.sorted_pair_ids.long()
+    offsets = align.expert_offsets.long().tolist()
+    counts = align.expert_counts.tolist()
+    assert counts == torch.bincount(ids.flatten(), minlength=experts).tolist()
+    real = sorted_ids[sorted_ids < pairs]
+    assert sorted(real.tolist()) == list(range(pairs)), "each pair exactly once"
+    assert sorted_ids.numel() == fm.max_padded_pairs(pairs, experts, block_m)
+    assert offsets[-1] <= sorted_ids.numel()
+    flat = ids.flatten()
+    for e in range(experts):
+        run = sorted_ids[offsets[e] : offsets[e + 1]]
+        assert (offsets[e + 1] - offsets[e]) % block_m == 0
+        assert run[: counts[e]].tolist() == sorted(run[: counts[e]].tolist()), "stable order"
+        assert (flat[run[: counts[e]]] == e).all()
+        assert (run[counts[e] :] == pairs).all(), "padding holds the sentinel"
+    tile_experts = align.block_expert_ids.long()
+    for tile, expert in enumerate(tile_experts.tolist()):
+        start = tile * block_m
+        if expert < 0:
+            assert start >= offsets[-1]
+        else:
+            assert offsets[expert] <= start < offsets[expert + 1]
+
+
+def make_experts(experts, n, k, dtype, seed, fp8_block=None):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(experts, n, k, generator=g) * 0.2
+    if fp8_block is None:
+        return w.to(dtype), None
+    quantized = [block_quant_ref(w[e], fp8_block) for e in range(experts)]
+    return torch.stack([q for q, _ in quantized]), torch.stack([s for _, s in quantized])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("fp8_block", [None, (16, 32)])
+def test_grouped_gemm_matches_ref(dtype, pattern, fp8_block):
+    tokens, experts, top_k, hidden, inter = 19, 8, 2, 64, 48
+    ids, _ = routing(tokens, experts, top_k, pattern, seed=1)
+    align = fm.moe_align(ids.to(DEVICE), experts, 16)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
+    w13, s13 = make_experts(experts, 2 * inter, hidden, dtype, 3, fp8_block)
+    gate_up = fm.grouped_gemm(x.to(DEVICE), w13.to(DEVICE), align, top_k,
+                              None if s13 is None else s13.to(DEVICE), fp8_block)  # fmt: skip
+    align_cpu = fm.moe_align(ids, experts, 16)
+    ref = fm.grouped_gemm_ref(x.float(), w13, align_cpu, top_k, s13, fp8_block)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(gate_up.float().cpu(), ref, atol=atol, rtol=rtol)
+
+    # Down projection: rows are pairs (rows_per_a = 1).
+    act = fm.silu_mul_ref(ref).to(dtype)
+    w2, s2 = make_experts(experts, hidden, inter, dtype, 4, fp8_block)
+    down = fm.grouped_gemm(act.to(DEVICE), w2.to(DEVICE), align, 1,
+                           None if s2 is None else s2.to(DEVICE), fp8_block)  # fmt: skip
+    down_ref = fm.grouped_gemm_ref(act.float(), w2, align_cpu, 1, s2, fp8_block)
+    torch.testing.assert_close(down.float().cpu(), down_ref, atol=atol * 4, rtol=rtol * 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(7, 48), (1, 1000), (0, 16)])
+def test_silu_mul_matches_ref(dtype, rows, inter):
+    x = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    atol, rtol = TOLERANCE[dtype]
+    ours = fm.silu_mul(x.to(DEVICE)).cpu()
+    torch.testing.assert_close(ours.float(), fm.silu_mul_ref(x).float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,top_k,hidden", [(9, 3, 40), (1, 8, 1100)])
+def test_combine_matches_ref(dtype, tokens, top_k, hidden):
+    g = torch.Generator().manual_seed(tokens)
+    y = torch.randn(tokens * top_k, hidden, generator=g).to(dtype)
+    w = torch.rand(tokens, top_k, generator=g)
+    ours = fm.moe_combine(y.to(DEVICE), w.to(DEVICE)).cpu()
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(ours.float(), fm.moe_combine_ref(y, w).float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_staged_refs_equal_per_expert_loop(pattern):
+    """align → gemm → silu·mul → gemm → combine equals the independent per-expert loop."""
+    tokens, experts, top_k, hidden, inter = 23, 8, 3, 32, 24
+    ids, weights = routing(tokens, experts, top_k, pattern, seed=5)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(6))
+    w13, _ = make_experts(experts, 2 * inter, hidden, torch.float32, 7)
+    w2, _ = make_experts(experts, hidden, inter, torch.float32, 8)
+    align = fm.moe_align(ids, experts, 16)
+    act = fm.silu_mul_ref(fm.grouped_gemm_ref(x, w13, align, top_k))
+    staged = fm.moe_combine_ref(fm.grouped_gemm_ref(act, w2, align, 1), weights)
+    direct = fm.fused_moe_ref(x, w13, w2, ids, weights)
+    torch.testing.assert_close(staged, direct, atol=1e-5, rtol=1e-5)
