@@ -16,8 +16,8 @@ from inference_svc.adapters.host_cache import (
 )
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher, S3FetchConfig, adapter_prefix
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
+from tests.fixtures.random_adapters import random_adapter
 from tests.fixtures.tiny_models import tiny_config
-from tests.inference.random_adapters import random_adapter
 
 CONFIG = tiny_config("v3_q_lora").to_dict()
 

@@ -11,8 +11,8 @@ from adapter_store.errors import FailedPrecondition
 from adapter_store.format import CanonicalAdapter, model_lora_shapes, tensor_name
 from inference_svc.lora import pool as pool_module
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig, plan_num_slots, slot_bytes
+from tests.fixtures.random_adapters import random_adapter
 from tests.fixtures.tiny_models import tiny_config
-from tests.inference.random_adapters import random_adapter
 
 MAX_RANK = 16
 

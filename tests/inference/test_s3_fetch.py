@@ -11,9 +11,9 @@ import torch
 from adapter_store.errors import FailedPrecondition, NotFound, Unavailable
 from adapter_store.format import serialize
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher, S3FetchConfig, adapter_prefix
+from tests.fixtures.random_adapters import random_adapter
 from tests.fixtures.servers import free_port
 from tests.fixtures.tiny_models import tiny_config
-from tests.inference.random_adapters import random_adapter
 
 TENANT, NAME, VERSION = "acme", "support-bot", 3
 
