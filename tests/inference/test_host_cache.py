@@ -95,6 +95,16 @@ def test_discard_waits_for_the_copy() -> None:
     assert not cache.discard("a")
 
 
+def test_insert_revives_an_entry_discarded_while_in_use() -> None:
+    cache = _cache(2)
+    first = cache.insert("a", _small(1))  # a copy to the GPU is in flight
+    cache.discard("a")
+    assert cache.insert("a", _small(1)) is first  # fetched again before the copy ended
+    cache.release("a")
+    cache.release("a")
+    assert "a" in cache and cache.metrics().bytes_used == SIZE
+
+
 def test_second_insert_of_the_same_version_keeps_the_first() -> None:
     cache = _cache(3)
     first = cache.insert("a", _small(1))
