@@ -1,0 +1,203 @@
+"""Batch metadata that tells the LoRA kernels which pool slot each token uses.
+
+A batch of T tokens is cut into *segments*: runs of consecutive tokens with the same slot,
+each at most `max_seg_len` tokens long (one kernel tile). The builder does not reorder
+tokens: the scheduler orders the batch so that tokens of one adapter are contiguous (then a
+decode batch of N adapters gives about N segments); an unordered batch is still exact, it
+only makes more, shorter segments. Tokens with slot -1 use no adapter and do no LoRA work.
+
+All tensors live in fixed-size device buffers so that a decode step can be captured in a
+CUDA graph and replayed with another batch: the builder rewrites them in place with one
+non-blocking host→device copy (no sync). Entries past the live counts are padded so that
+they describe empty segments / slot -1 tokens, which every kernel skips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+NO_SLOT = -1
+
+
+@dataclass(frozen=True)
+class LoraSegmentsConfig:
+    """Capacity of the segment buffers (one instance per captured batch size)."""
+
+    max_tokens: int
+    num_slots: int
+    # Tokens per kernel tile; a power of two >= 16 because tl.dot needs M >= 16.
+    max_seg_len: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.max_seg_len < 16 or self.max_seg_len & (self.max_seg_len - 1):
+            raise ValueError(f"max_seg_len must be a power of two >= 16, got {self.max_seg_len}")
+
+    @property
+    def max_segments(self) -> int:
+        # Every segment holds at least one token.
+        return self.max_tokens
+
+
+@dataclass
+class LoraSegments:
+    """Per-step LoRA batch description read by the SGMV, MLA-LoRA and MoE-LoRA kernels."""
+
+    seg_indptr: Tensor  # int32 [max_segments + 1], token offsets; padded with num_tokens
+    seg_slot: Tensor  # int32 [max_segments], slot of each segment, -1 = no adapter
+    slot_rank: Tensor  # int32 [num_slots], true rank of each slot's adapter, 0 = empty
+    token_slot: Tensor  # int32 [max_tokens], slot per token, -1 = none (also padding)
+    num_segments: Tensor  # int32 [1], live segment count on the device
+    num_tokens: int  # host copy: live tokens
+    num_live_segments: int  # host copy: live segments
+    max_seg_len: int
+    # Backing storage of the four per-step fields above, so the builder makes one copy.
+    packed: Tensor = field(repr=False)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_slot.shape[0]
+
+    @property
+    def max_segments(self) -> int:
+        return self.seg_slot.shape[0]
+
+    def require_tokens(self, num_tokens: int) -> None:
+        """Launchers call this: the activations must hold exactly the described tokens."""
+        if num_tokens != self.num_tokens:
+            raise ValueError(f"tensor has {num_tokens} tokens, segments describe {self.num_tokens}")
+
+    def grid_segments(self) -> int:
+        """Segment programs a launcher starts: the live count, or the capacity while a CUDA
+        graph is captured so that replays with more segments are covered (the padding
+        segments are empty and exit at once)."""
+        capturing = (
+            self.seg_slot.is_cuda and torch.cuda.is_current_stream_capturing()  # type: ignore[no-untyped-call]
+        )
+        return self.max_segments if capturing else max(self.num_live_segments, 1)
+
+
+@triton.jit
+def load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr):
+    """(slot, rank, first token, end token) of segment `seg` inside a kernel; rank is 0 when
+    the segment has no work (slot -1, empty padding segment or empty slot)."""
+    slot = tl.load(seg_slot_ptr + seg)
+    t_start = tl.load(seg_indptr_ptr + seg)
+    t_end = tl.load(seg_indptr_ptr + seg + 1)
+    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where((slot >= 0) & (t_end > t_start), rank, 0)
+    return slot, rank, t_start, t_end
+
+
+def live_rank_columns(slot_rank: Tensor, slot: Tensor, pool_rank: int) -> Tensor:
+    """[*slot.shape, R] bool for the torch references: rank column r is used by the adapter
+    in `slot` (r < its true rank); all false for slot -1."""
+    rank = torch.where(slot >= 0, slot_rank[slot.clamp(min=0).long()], 0)
+    return torch.arange(pool_rank, device=slot.device) < rank.unsqueeze(-1)
+
+
+def allocate_lora_segments(config: LoraSegmentsConfig, device: torch.device | str) -> LoraSegments:
+    """Empty-batch buffers of `config`'s capacity, to be refilled by `build_lora_segments`."""
+    packed = torch.empty(_packed_len(config), dtype=torch.int32, device=device)
+    slot_rank = torch.zeros(config.num_slots, dtype=torch.int32, device=device)
+    return build_lora_segments([], slot_rank, out=_views(packed, config, slot_rank))
+
+
+def build_lora_segments(
+    token_slots: Sequence[int] | Tensor,
+    slot_rank: Sequence[int] | Tensor,
+    *,
+    out: LoraSegments | None = None,
+    max_seg_len: int = 16,
+    device: torch.device | str = "cpu",
+) -> LoraSegments:
+    """Cut a batch into segments of consecutive equal slots, at most `max_seg_len` long.
+
+    Semantics: segment s covers tokens [seg_indptr[s], seg_indptr[s+1]), all with slot
+    seg_slot[s]; token_slot[t] = token_slots[t]; rows past the live counts are empty / -1.
+
+    Args:
+        token_slots: host ints [T], slot per token (-1 = base model).
+        slot_rank: [num_slots] true rank per slot, host ints or a tensor; a tensor on the
+            output device is copied device-to-device (no sync).
+        out: preallocated buffers (see `allocate_lora_segments`), rewritten in place so a
+            captured CUDA graph sees the new batch; its capacity bounds T. Without `out`,
+            buffers of exactly this batch's size are allocated on `device`.
+    """
+    slots = torch.as_tensor(token_slots, dtype=torch.int32, device="cpu").reshape(-1)
+    num_slots = slot_rank.shape[0] if isinstance(slot_rank, Tensor) else len(slot_rank)
+    if out is None:
+        out = allocate_lora_segments(
+            LoraSegmentsConfig(max(slots.numel(), 1), num_slots, max_seg_len), device
+        )
+    config = LoraSegmentsConfig(out.max_tokens, out.slot_rank.shape[0], out.max_seg_len)
+    if slots.numel() > config.max_tokens:
+        raise ValueError(f"batch has {slots.numel()} tokens, buffers hold {config.max_tokens}")
+    if num_slots != config.num_slots:
+        raise ValueError(f"slot_rank has {num_slots} slots, buffers hold {config.num_slots}")
+    if slots.numel() and (slots.min() < NO_SLOT or slots.max() >= config.num_slots):
+        raise ValueError(f"token slots must lie in [-1, {config.num_slots}), got {slots.tolist()}")
+
+    seg_starts = _segment_starts(slots, config.max_seg_len)
+    host = torch.empty(_packed_len(config), dtype=torch.int32, pin_memory=out.packed.is_cuda)
+    staged = _views(host, config, host[:0])
+    staged.seg_indptr.fill_(slots.numel())
+    staged.seg_indptr[: seg_starts.numel()] = seg_starts
+    staged.seg_slot.fill_(NO_SLOT)
+    staged.seg_slot[: seg_starts.numel()] = slots[seg_starts]
+    staged.token_slot.fill_(NO_SLOT)
+    staged.token_slot[: slots.numel()] = slots
+    staged.num_segments.fill_(seg_starts.numel())
+    out.packed.copy_(host, non_blocking=True)
+
+    if isinstance(slot_rank, Tensor):
+        out.slot_rank.copy_(slot_rank, non_blocking=True)
+    else:
+        out.slot_rank.copy_(torch.tensor(list(slot_rank), dtype=torch.int32), non_blocking=True)
+    out.num_tokens = slots.numel()
+    out.num_live_segments = seg_starts.numel()
+    return out
+
+
+def _segment_starts(slots: Tensor, max_seg_len: int) -> Tensor:
+    """First token of each segment: where the slot changes or a run reaches max_seg_len."""
+    num_tokens = slots.numel()
+    if num_tokens == 0:
+        return torch.zeros(0, dtype=torch.int32)
+    changed = torch.ones(num_tokens, dtype=torch.bool)
+    changed[1:] = slots[1:] != slots[:-1]
+    run_starts = torch.nonzero(changed).flatten()  # [runs]
+    run_of_token = torch.cumsum(changed.to(torch.int64), 0) - 1  # [T]
+    pos_in_run = torch.arange(num_tokens) - run_starts[run_of_token]  # [T]
+    return torch.nonzero(pos_in_run % max_seg_len == 0).flatten().to(torch.int32)
+
+
+# One packed int32 buffer holds every per-step field so the builder needs a single copy.
+def _packed_len(config: LoraSegmentsConfig) -> int:
+    return (config.max_segments + 1) + config.max_segments + config.max_tokens + 1
+
+
+def _views(packed: Tensor, config: LoraSegmentsConfig, slot_rank: Tensor) -> LoraSegments:
+    seg_indptr, seg_slot, token_slot, num_segments = torch.split(
+        packed, [config.max_segments + 1, config.max_segments, config.max_tokens, 1]
+    )
+    return LoraSegments(
+        seg_indptr=seg_indptr,
+        seg_slot=seg_slot,
+        slot_rank=slot_rank,
+        token_slot=token_slot,
+        num_segments=num_segments,
+        num_tokens=0,
+        num_live_segments=0,
+        max_seg_len=config.max_seg_len,
+        packed=packed,
+    )

@@ -1,0 +1,402 @@
+"""MoE LoRA over the routed (token, expert) pairs of the base fused MoE.
+
+The base fused MoE keeps, per pair (sorted by expert), the gate_up intermediate
+`[P, S*moe_inter]` and the down output `[P, hidden]`; these kernels add the LoRA deltas in
+place, before the activation and before the weighted combine:
+
+    gate_up: inter[p]    += (x[tok(p)] · A_gu[slot, e]ᵀ) · B_gu[slot, e]ᵀ     (S slices)
+    down:    down_out[p] += (act[p]    · A_d[slot, e]ᵀ)  · B_d[slot, e]ᵀ
+
+with slot = token_slot[tok(p)], e = pair_expert[p]. A "shared outer" adapter stores gate_up's
+A and down's B with an expert dim of 1: every expert reads index 0. The delta is computed
+in the activation dtype from the LoRA weights alone, independent of how the base experts
+are stored (bf16, FP8 block-scaled, INT8, 4-bit): quantization never touches LoRA.
+
+One program takes a block of BLOCK_P consecutive pairs and walks the distinct (slot,
+weight-expert) keys in it: pairs sorted by expert whose tokens the scheduler grouped by slot
+share one key over long runs, so prefill reads each expert's LoRA weights once per block
+with tl.dot, while a decode block of all-distinct keys costs one weight read per pair.
+The shrink also splits K across programs (hidden = 7168 at decode).
+Shapes: P pairs, E experts, S slices, R pool rank, K input features, N output per slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.lora_segments import LoraSegments, live_rank_columns
+from kernels.sgmv import dot_precision, plan_split_k, rank_block
+
+BLOCK_P = 16
+
+
+@triton.jit
+def _pair_keys(offs_p, P, pair_token_ptr, pair_expert_ptr, token_slot_ptr, W_EXPERTS):
+    """(token, key) per pair: key = slot * W_EXPERTS + weight expert, -1 when no work."""
+    mask_p = offs_p < P
+    tok = tl.load(pair_token_ptr + offs_p, mask=mask_p, other=-1)
+    expert = tl.load(pair_expert_ptr + offs_p, mask=mask_p, other=0)
+    slot = tl.load(token_slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)
+    weight_expert = tl.where(W_EXPERTS == 1, 0, expert)
+    return tok, tl.where(slot >= 0, slot * W_EXPERTS + weight_expert, -1)
+
+
+@triton.jit
+def _first_pending_key(offs, key, done, BLOCK_P: tl.constexpr):
+    """Key of the first pair of the block not yet handled."""
+    first = tl.min(tl.where(done, BLOCK_P, offs))
+    return tl.sum(tl.where(offs == first, key, 0))
+
+
+@triton.jit
+def _moe_lora_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    y_ptr,
+    pair_token_ptr,
+    pair_expert_ptr,
+    token_slot_ptr,
+    slot_rank_ptr,
+    P,
+    K,
+    R,
+    A_EXPERTS,
+    k_per_split,
+    stride_xm,
+    stride_xk,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_ak,
+    stride_yp,
+    stride_yr,
+    X_PER_PAIR: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_sr = tl.program_id(1)  # slice * rank_blocks + rank_block
+    k_lo = tl.program_id(2) * k_per_split
+    offs = tl.arange(0, BLOCK_P)
+    offs_p = tl.program_id(0) * BLOCK_P + offs
+    tok, key = _pair_keys(offs_p, P, pair_token_ptr, pair_expert_ptr, token_slot_ptr, A_EXPERTS)
+    x_row = offs_p if X_PER_PAIR else tok
+    rank_blocks = tl.cdiv(R, BLOCK_R)
+    slice_idx = pid_sr // rank_blocks
+    offs_r = (pid_sr % rank_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    done = key < 0
+    while tl.min(done.to(tl.int32)) == 0:
+        run_key = _first_pending_key(offs, key, done, BLOCK_P)
+        sel = key == run_key
+        slot = run_key // A_EXPERTS
+        rank = tl.load(slot_rank_ptr + slot)
+        mask_r = offs_r < rank
+        if (pid_sr % rank_blocks) * BLOCK_R < rank:
+            a_rows = (
+                a_ptr
+                + slot.to(tl.int64) * stride_as
+                + (run_key % A_EXPERTS) * stride_ae
+                + (slice_idx * R + offs_r) * stride_ar
+            )
+            acc = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)  # [p, r]
+            for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
+                offs_k = k + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < K
+                x = tl.load(
+                    x_ptr + x_row[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=sel[:, None] & mask_k[None, :],
+                    other=0.0,
+                )  # [p, k]
+                a = tl.load(
+                    a_rows[None, :] + offs_k[:, None] * stride_ak,
+                    mask=mask_r[None, :] & mask_k[:, None],
+                    other=0.0,
+                )  # [k, r]
+                acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+            y_ptrs = (
+                y_ptr + offs_p[:, None] * stride_yp + (slice_idx * R + offs_r)[None, :] * stride_yr
+            )
+            y_mask = sel[:, None] & mask_r[None, :]
+            if ATOMIC:
+                tl.atomic_add(y_ptrs, acc, mask=y_mask)
+            else:
+                tl.store(y_ptrs, acc, mask=y_mask)
+        done = done | sel
+
+
+@triton.jit
+def _moe_lora_expand_kernel(
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    pair_token_ptr,
+    pair_expert_ptr,
+    token_slot_ptr,
+    slot_rank_ptr,
+    P,
+    R,
+    N,
+    B_EXPERTS,
+    stride_yp,
+    stride_yr,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    stride_br,
+    stride_op,
+    stride_on,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    slice_idx = tl.program_id(1) // n_blocks
+    offs_n = (tl.program_id(1) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    cols = slice_idx * N + offs_n  # columns of out and rows of B
+    offs = tl.arange(0, BLOCK_P)
+    offs_p = tl.program_id(0) * BLOCK_P + offs
+    _, key = _pair_keys(offs_p, P, pair_token_ptr, pair_expert_ptr, token_slot_ptr, B_EXPERTS)
+    done = key < 0
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)  # [p, n]
+    while tl.min(done.to(tl.int32)) == 0:
+        run_key = _first_pending_key(offs, key, done, BLOCK_P)
+        sel = key == run_key
+        slot = run_key // B_EXPERTS
+        rank = tl.load(slot_rank_ptr + slot)
+        b_run = b_ptr + slot.to(tl.int64) * stride_bs + (run_key % B_EXPERTS) * stride_be
+        for r in range(0, rank, BLOCK_R):
+            offs_r = r + tl.arange(0, BLOCK_R)
+            mask_r = offs_r < rank
+            y = tl.load(
+                y_ptr + offs_p[:, None] * stride_yp + (slice_idx * R + offs_r)[None, :] * stride_yr,
+                mask=sel[:, None] & mask_r[None, :],
+                other=0.0,
+            )  # [p, r]
+            b = tl.load(
+                b_run + cols[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                mask=mask_n[None, :] & mask_r[:, None],
+                other=0.0,
+            )  # [r, n]
+            acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+        done = done | sel
+    out_ptrs = out_ptr + offs_p[:, None] * stride_op + cols[None, :] * stride_on
+    out_mask = (key >= 0)[:, None] & mask_n[None, :]
+    prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
+    tl.store(out_ptrs, (prev.to(tl.float32) + acc).to(prev.dtype), mask=out_mask)
+
+
+def moe_lora_gate_up(
+    x: Tensor,
+    inter: Tensor,
+    A: Tensor,
+    B: Tensor,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+) -> Tensor:
+    """Add the routed experts' gate_up LoRA delta to the per-pair intermediate, in place.
+
+    Semantics: inter[p, i*N:(i+1)*N] += (x[tok] · A[slot, eA, i*R : i*R+rank]ᵀ)
+    · B[slot, e, i*N:(i+1)*N, :rank]ᵀ, tok = pair_token[p], slot = token_slot[tok],
+    e = pair_expert[p], eA = e (or 0 when A's expert dim is 1: shared outer).
+    Computed in the activation dtype, independent of the base experts' quantization.
+
+    Args:
+        x: [T, hidden] MoE input, same dtype as A and B.
+        inter: [P, S*N] gate_up output of the base MoE per pair, written in place.
+        A: [slots, E or 1, S*R, hidden]; B: [slots, E, S*N, R]; S = 2 gated, 1 non-gated.
+        pair_token / pair_expert: int32 [P]; pair_token -1 marks padding (skipped).
+        segs: this batch's segments (token_slot, slot_rank); slot -1 tokens do no work.
+    """
+    segs.require_tokens(x.shape[0])
+    return _moe_lora(x, inter, A, B, pair_token, pair_expert, segs, x_per_pair=False)
+
+
+def moe_lora_down(
+    act: Tensor,
+    down_out: Tensor,
+    A: Tensor,
+    B: Tensor,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+) -> Tensor:
+    """Add the routed experts' down LoRA delta to the per-pair down output, in place.
+
+    Semantics: down_out[p] += (act[p] · A[slot, e, :rank]ᵀ) · B[slot, eB, :, :rank]ᵀ,
+    slot = token_slot[pair_token[p]], e = pair_expert[p], eB = e (or 0 when B's expert dim
+    is 1: shared outer). Computed in the activation dtype, independent of base quantization.
+
+    Args:
+        act: [P, moe_inter] activated intermediate per pair, same dtype as A and B.
+        down_out: [P, hidden] down output of the base MoE per pair, written in place.
+        A: [slots, E, R, moe_inter]; B: [slots, E or 1, hidden, R].
+        pair_token / pair_expert: int32 [P]; pair_token -1 marks padding (skipped).
+        segs: this batch's segments (token_slot, slot_rank); slot -1 tokens do no work.
+    """
+    if act.shape[0] != pair_token.shape[0]:
+        raise ValueError(
+            f"act {tuple(act.shape)} must have one row per pair ({pair_token.shape[0]})"
+        )
+    return _moe_lora(act, down_out, A, B, pair_token, pair_expert, segs, x_per_pair=True)
+
+
+def _moe_lora(
+    x: Tensor,
+    out: Tensor,
+    A: Tensor,
+    B: Tensor,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+    x_per_pair: bool,
+) -> Tensor:
+    num_pairs = pair_token.shape[0]
+    num_slices, slice_width = _check_moe(x, out, A, B, pair_token, pair_expert)
+    pool_rank = B.shape[3]
+    if num_pairs == 0:
+        return out
+    y = torch.zeros(num_pairs, num_slices * pool_rank, dtype=torch.float32, device=x.device)
+    k_dim = x.shape[1]
+    block_r = rank_block(pool_rank)
+    pair_blocks = triton.cdiv(num_pairs, BLOCK_P)
+    rank_programs = num_slices * triton.cdiv(pool_rank, block_r)
+    block_k, k_per_split, split_k = plan_split_k(k_dim, pair_blocks * rank_programs)
+    pair_meta = (pair_token, pair_expert, segs.token_slot, segs.slot_rank, num_pairs)
+    _moe_lora_shrink_kernel[(pair_blocks, rank_programs, split_k)](
+        x,
+        A,
+        y,
+        *pair_meta,
+        k_dim,
+        pool_rank,
+        A.shape[1],
+        k_per_split,
+        *x.stride(),
+        *A.stride(),
+        *y.stride(),
+        X_PER_PAIR=x_per_pair,
+        BLOCK_P=BLOCK_P,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        ATOMIC=split_k > 1,
+        DOT_PRECISION=dot_precision(x.dtype),
+    )
+    block_n = 128 if slice_width >= 2048 else 64
+    _moe_lora_expand_kernel[(pair_blocks, num_slices * triton.cdiv(slice_width, block_n))](
+        y,
+        B,
+        out,
+        *pair_meta,
+        pool_rank,
+        slice_width,
+        B.shape[1],
+        *y.stride(),
+        *B.stride(),
+        *out.stride(),
+        BLOCK_P=BLOCK_P,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        DOT_PRECISION=dot_precision(B.dtype),
+    )
+    return out
+
+
+def moe_lora_gate_up_ref(
+    x: Tensor,
+    inter: Tensor,
+    A: Tensor,
+    B: Tensor,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+) -> Tensor:
+    """Torch gather + bmm reference of `moe_lora_gate_up` (in A's dtype), in place."""
+    return _moe_lora_ref(
+        x[pair_token.clamp(min=0).long()], inter, A, B, pair_token, pair_expert, segs
+    )
+
+
+def moe_lora_down_ref(
+    act: Tensor,
+    down_out: Tensor,
+    A: Tensor,
+    B: Tensor,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+) -> Tensor:
+    """Torch gather + bmm reference of `moe_lora_down` (in A's dtype), in place."""
+    return _moe_lora_ref(act, down_out, A, B, pair_token, pair_expert, segs)
+
+
+def _moe_lora_ref(
+    x_rows: Tensor,
+    out: Tensor,
+    A: Tensor,
+    B: Tensor,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+) -> Tensor:
+    """out[p] += per-slice (x_rows[p] · A[slot, eA]ᵀ) · B[slot, eB]ᵀ over live rank columns."""
+    pool_rank = B.shape[3]
+    num_slices = A.shape[2] // pool_rank
+    slice_width = B.shape[2] // num_slices
+    token = pair_token.long()
+    slot = torch.where(token >= 0, segs.token_slot[token.clamp(min=0)].long(), -1)  # [P]
+    keep = live_rank_columns(segs.slot_rank, slot, pool_rank)  # [P, R]
+    expert = pair_expert.long()
+    slot = slot.clamp(min=0)
+    a = A[slot, expert if A.shape[1] > 1 else 0]  # [P, S*R, K]
+    a = torch.where(keep.repeat(1, num_slices)[:, :, None], a, 0)
+    b = torch.where(keep[:, None, :], B[slot, expert if B.shape[1] > 1 else 0], 0)  # [P, S*N, R]
+    y = torch.bmm(a, x_rows.to(A.dtype).unsqueeze(2))  # [P, S*R, 1]
+    for i in range(num_slices):
+        b_i = b[:, i * slice_width : (i + 1) * slice_width]  # [P, N, R]
+        delta = torch.bmm(b_i, y[:, i * pool_rank : (i + 1) * pool_rank]).squeeze(2)  # [P, N]
+        out[:, i * slice_width : (i + 1) * slice_width] += delta.to(out.dtype)
+    return out
+
+
+def _check_moe(
+    x: Tensor, out: Tensor, A: Tensor, B: Tensor, pair_token: Tensor, pair_expert: Tensor
+) -> tuple[int, int]:
+    """Validate shapes/dtypes/strides; returns (slices S, per-slice width N)."""
+    if A.dim() != 4 or B.dim() != 4 or A.dtype != x.dtype or B.dtype != x.dtype:
+        raise ValueError(
+            f"A, B must be 4-D {x.dtype}: {tuple(A.shape)} {A.dtype}, {tuple(B.shape)} {B.dtype}"
+        )
+    if A.stride(-1) != 1 or B.stride(-1) != 1:
+        raise ValueError("A and B must be contiguous in their last dim")
+    pool_rank = B.shape[3]
+    num_slices = A.shape[2] // pool_rank
+    experts = max(A.shape[1], B.shape[1])
+    if (
+        A.shape[0] != B.shape[0]
+        or A.shape[2] != num_slices * pool_rank
+        or A.shape[3] != x.shape[1]
+        or A.shape[1] not in (1, experts)
+        or B.shape[1] not in (1, experts)
+        or B.shape[2] != out.shape[1]
+        or out.shape[1] % num_slices
+    ):
+        raise ValueError(
+            f"A {tuple(A.shape)}, B {tuple(B.shape)} do not fit "
+            f"x {tuple(x.shape)}, out {tuple(out.shape)}"
+        )
+    if pair_token.dtype != torch.int32 or pair_expert.dtype != torch.int32:
+        raise ValueError("pair_token and pair_expert must be int32")
+    if pair_token.shape != pair_expert.shape or out.shape[0] != pair_token.shape[0]:
+        raise ValueError(
+            f"pairs: token {tuple(pair_token.shape)}, expert {tuple(pair_expert.shape)}, "
+            f"out {tuple(out.shape)}"
+        )
+    return num_slices, out.shape[1] // num_slices

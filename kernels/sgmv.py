@@ -1,0 +1,334 @@
+"""SGMV: multi-LoRA shrink `y = x·Aᵀ` and expand `out += y·Bᵀ` over segments of one slot.
+
+Pool layout (per module and layer): A `[slots, S*R, in]`, B `[slots, out_total, R]`, R the
+pool's max rank, S stacked slices (qkv_a: q_a|kv_a; gate_up: gate|up). Slice i of y is
+columns i*R:(i+1)*R and feeds out columns slice_offsets[i]:slice_offsets[i+1].
+
+Both kernels read only the first `slot_rank[slot]` rank rows/columns of a slot, so a rank-8
+adapter in a rank-64 pool costs rank-8 traffic. One program handles one segment (at most
+`max_seg_len` tokens, one tl.dot tile) and one block of output columns; the shrink also
+splits K across programs, because a decode batch of one token otherwise leaves one program
+walking all 7168 inputs alone (SGLang's ~12.7 µs floor, TARGETS.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
+
+# Expand supports this many stacked slices (DeepSeek needs 2: qkv_a, gate_up).
+MAX_SLICES = 3
+# Launchers size grids to about this many programs (2 waves on an H100's 132 SMs).
+_TARGET_PROGRAMS = 264
+_UNUSED = 2**30
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    y_ptr,
+    seg_indptr_ptr,
+    seg_slot_ptr,
+    slot_rank_ptr,
+    K,
+    R,
+    k_per_split,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_yt,
+    stride_yr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    pid_sr = tl.program_id(1)  # slice * rank_blocks + rank_block
+    pid_k = tl.program_id(2)
+    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
+    rank_blocks = tl.cdiv(R, BLOCK_R)
+    slice_idx = pid_sr // rank_blocks
+    r_start = (pid_sr % rank_blocks) * BLOCK_R
+    if r_start >= rank:
+        return
+
+    offs_t = t_start + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < t_end
+    offs_r = r_start + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + (slice_idx * R + offs_r) * stride_ar
+    k_lo = pid_k * k_per_split
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)  # [t, r]
+    for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(
+            x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+            mask=mask_t[:, None] & mask_k[None, :],
+            other=0.0,
+        )  # [t, k]
+        a = tl.load(
+            a_rows[None, :] + offs_k[:, None] * stride_ak,
+            mask=mask_r[None, :] & mask_k[:, None],
+            other=0.0,
+        )  # [k, r]
+        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+    y_ptrs = y_ptr + offs_t[:, None] * stride_yt + (slice_idx * R + offs_r)[None, :] * stride_yr
+    y_mask = mask_t[:, None] & mask_r[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=y_mask)
+    else:
+        tl.store(y_ptrs, acc, mask=y_mask)
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    seg_indptr_ptr,
+    seg_slot_ptr,
+    slot_rank_ptr,
+    R,
+    N,
+    slice1_col,
+    slice2_col,
+    slice1_block,
+    slice2_block,
+    stride_yt,
+    stride_yr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
+    if rank == 0:
+        return
+    # Column blocks never straddle a slice: blocks [sliceI_block, ...) belong to slice I.
+    in_s1 = pid_n >= slice1_block
+    in_s2 = pid_n >= slice2_block
+    slice_idx = in_s1.to(tl.int32) + in_s2.to(tl.int32)
+    col_lo = tl.where(in_s2, slice2_col, tl.where(in_s1, slice1_col, 0))
+    col_hi = tl.where(in_s2, N, tl.minimum(tl.where(in_s1, slice2_col, slice1_col), N))
+    block_lo = tl.where(in_s2, slice2_block, tl.where(in_s1, slice1_block, 0))
+
+    offs_t = t_start + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < t_end
+    offs_n = col_lo + (pid_n - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < col_hi
+    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)  # [t, n]
+    for r in range(0, rank, BLOCK_R):
+        offs_r = r + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        y = tl.load(
+            y_ptr + offs_t[:, None] * stride_yt + (slice_idx * R + offs_r)[None, :] * stride_yr,
+            mask=mask_t[:, None] & mask_r[None, :],
+            other=0.0,
+        )  # [t, r]
+        b = tl.load(
+            b_slot + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+            mask=mask_n[None, :] & mask_r[:, None],
+            other=0.0,
+        )  # [r, n]
+        acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+    out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
+    out_mask = mask_t[:, None] & mask_n[None, :]
+    prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
+    tl.store(out_ptrs, (prev.to(tl.float32) + acc).to(prev.dtype), mask=out_mask)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs must not silently drop to tf32; half types are exact either way."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def plan_split_k(k_dim: int, programs: int) -> tuple[int, int, int]:
+    """(BLOCK_K, K per program, K splits) so that `programs` × splits fills the GPU: a
+    decode step of one token would otherwise leave one program walking all of K."""
+    if k_dim < 64:
+        block_k = triton.next_power_of_2(max(k_dim, 16))
+    elif k_dim < 128 or programs * triton.cdiv(k_dim, 128) < _TARGET_PROGRAMS:
+        block_k = 64  # B=1 at hidden 7168: 112 programs instead of 56
+    else:
+        block_k = 128
+    k_blocks = triton.cdiv(k_dim, block_k)
+    split_k = max(1, min(k_blocks, _TARGET_PROGRAMS // programs))
+    k_per_split = triton.cdiv(k_blocks, split_k) * block_k
+    return block_k, k_per_split, triton.cdiv(k_dim, k_per_split)
+
+
+def rank_block(pool_rank: int) -> int:
+    """Rank tile: the pool rank rounded up to a power of two, within tl.dot's 16..64."""
+    return min(max(triton.next_power_of_2(pool_rank), 16), 64)
+
+
+def sgmv_shrink(
+    x: Tensor, A: Tensor, segs: LoraSegments, num_slices: int = 1, out: Tensor | None = None
+) -> Tensor:
+    """Shrink every token by its segment's adapter.
+
+    Semantics: y[t, i*R + r] = x[t] · A[slot(t), i*R + r] for r < rank(slot(t)), else 0;
+    tokens with slot -1 get 0.
+
+    Args:
+        x: [T, in] activations, fp16/bf16/fp32, same dtype as A.
+        A: [slots, num_slices * R, in] pool A buffer.
+        segs: segments of this batch (T = segs.num_tokens rows of x are read).
+        num_slices: stacked slices S in A.
+        out: optional float32 [T, S*R] buffer; it is zeroed and written.
+    Returns:
+        y: float32 [T, S*R] (float32 so split-K partial sums add up exactly once by
+        atomics and the expand reads full precision).
+    """
+    num_tokens, k_dim = x.shape
+    _check_pool(A, x.dtype, 3, "A")
+    if A.shape[2] != k_dim or A.shape[1] % num_slices:
+        raise ValueError(f"A {tuple(A.shape)} does not fit x {tuple(x.shape)}, {num_slices} slices")
+    pool_rank = A.shape[1] // num_slices
+    segs.require_tokens(num_tokens)
+    if out is None:
+        out = torch.zeros(num_tokens, num_slices * pool_rank, dtype=torch.float32, device=x.device)
+    else:
+        if out.shape != (num_tokens, num_slices * pool_rank) or out.dtype != torch.float32:
+            raise ValueError(f"out must be float32 [{num_tokens}, {num_slices * pool_rank}]")
+        out.zero_()
+    if num_tokens == 0:
+        return out
+    block_r = rank_block(pool_rank)
+    rank_programs = num_slices * triton.cdiv(pool_rank, block_r)
+    grid_segments = segs.grid_segments()
+    block_k, k_per_split, split_k = plan_split_k(k_dim, grid_segments * rank_programs)
+    _sgmv_shrink_kernel[(grid_segments, rank_programs, split_k)](
+        x,
+        A,
+        out,
+        segs.seg_indptr,
+        segs.seg_slot,
+        segs.slot_rank,
+        k_dim,
+        pool_rank,
+        k_per_split,
+        *x.stride(),
+        *A.stride(),
+        *out.stride(),
+        BLOCK_T=segs.max_seg_len,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        ATOMIC=split_k > 1,
+        DOT_PRECISION=dot_precision(x.dtype),
+    )
+    return out
+
+
+def sgmv_expand(
+    y: Tensor, B: Tensor, out: Tensor, segs: LoraSegments, slice_offsets: Sequence[int]
+) -> Tensor:
+    """Expand every token by its segment's adapter and add into `out` in place.
+
+    Semantics: out[t, o_i + n] += Σ_{r < rank(slot(t))} y[t, i*R + r] · B[slot(t), o_i + n, r]
+    for each slice i with o_i = slice_offsets[i], n < slice_offsets[i+1] - o_i.
+
+    Args:
+        y: [T, S*R] shrink output (float32 or the B dtype).
+        B: [slots, out_total, R] pool B buffer, fp16/bf16/fp32.
+        out: [T, out_total] written in place (any float dtype, may be a strided view).
+        segs: segments of this batch.
+        slice_offsets: S+1 ascending column offsets, 0 first and out_total last (S <= 3).
+    """
+    num_slices = len(slice_offsets) - 1
+    num_tokens, out_total = out.shape
+    _check_pool(B, B.dtype, 3, "B")
+    pool_rank = B.shape[2]
+    if not 1 <= num_slices <= MAX_SLICES:
+        raise ValueError(f"expand supports 1..{MAX_SLICES} slices, got {num_slices}")
+    if slice_offsets[0] != 0 or slice_offsets[-1] != out_total or B.shape[1] != out_total:
+        raise ValueError(f"slice_offsets {list(slice_offsets)} must span out {tuple(out.shape)}")
+    if any(lo >= hi for lo, hi in zip(slice_offsets, slice_offsets[1:], strict=False)):
+        raise ValueError(f"slice_offsets {list(slice_offsets)} must ascend strictly")
+    if y.shape != (num_tokens, num_slices * pool_rank):
+        raise ValueError(f"y {tuple(y.shape)} != [{num_tokens}, {num_slices * pool_rank}]")
+    segs.require_tokens(num_tokens)
+    if num_tokens == 0:
+        return out
+    # Wide tiles for wide outputs unless that leaves SMs idle (B=1: 112 programs, not 56).
+    wide = segs.grid_segments() * triton.cdiv(out_total, 128) >= _TARGET_PROGRAMS
+    block_n = 128 if wide else 64
+    block_cols = [0] * (MAX_SLICES + 1)
+    slice_cols = [*slice_offsets[1:-1], *[_UNUSED] * (MAX_SLICES - num_slices)]
+    for i in range(num_slices):
+        width = slice_offsets[i + 1] - slice_offsets[i]
+        block_cols[i + 1] = block_cols[i] + triton.cdiv(width, block_n)
+    slice_blocks = [*block_cols[1:num_slices], *[_UNUSED] * (MAX_SLICES - num_slices)]
+    _sgmv_expand_kernel[(segs.grid_segments(), block_cols[num_slices])](
+        y,
+        B,
+        out,
+        segs.seg_indptr,
+        segs.seg_slot,
+        segs.slot_rank,
+        pool_rank,
+        out_total,
+        *slice_cols[:2],
+        *slice_blocks[:2],
+        *y.stride(),
+        *B.stride(),
+        *out.stride(),
+        BLOCK_T=segs.max_seg_len,
+        BLOCK_N=block_n,
+        BLOCK_R=rank_block(pool_rank),
+        DOT_PRECISION=dot_precision(B.dtype),
+    )
+    return out
+
+
+def sgmv_shrink_ref(x: Tensor, A: Tensor, segs: LoraSegments, num_slices: int = 1) -> Tensor:
+    """Torch gather + bmm reference of `sgmv_shrink`, computed in x's dtype."""
+    num_tokens = x.shape[0]
+    pool_rank = A.shape[1] // num_slices
+    slot = segs.token_slot[:num_tokens].long()  # [T]
+    keep = live_rank_columns(segs.slot_rank, slot, pool_rank).repeat(1, num_slices)  # [T, S*R]
+    a = torch.where(keep[:, :, None], A[slot.clamp(min=0)], 0)  # [T, S*R, in]
+    return torch.bmm(a, x.unsqueeze(2)).squeeze(2)  # [T, S*R]
+
+
+def sgmv_expand_ref(
+    y: Tensor, B: Tensor, out: Tensor, segs: LoraSegments, slice_offsets: Sequence[int]
+) -> Tensor:
+    """Torch gather + bmm reference of `sgmv_expand`, computed in B's dtype, in place."""
+    num_tokens = out.shape[0]
+    pool_rank = B.shape[2]
+    slot = segs.token_slot[:num_tokens].long()  # [T]
+    keep = live_rank_columns(segs.slot_rank, slot, pool_rank)  # [T, R]
+    b = torch.where(keep[:, None, :], B[slot.clamp(min=0)], 0)  # [T, out_total, R]
+    for i, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:], strict=False)):
+        y_i = torch.where(keep, y[:, i * pool_rank : (i + 1) * pool_rank], 0).to(B.dtype)
+        delta = torch.bmm(b[:, lo:hi], y_i.unsqueeze(2)).squeeze(2)  # [T, out_i]
+        out[:, lo:hi] += delta.to(out.dtype)
+    return out
+
+
+def _check_pool(w: Tensor, dtype: torch.dtype, ndim: int, name: str) -> None:
+    if w.dim() != ndim or w.dtype != dtype:
+        raise ValueError(f"{name} must be {ndim}-D {dtype}, got {tuple(w.shape)} {w.dtype}")
+    if w.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, strides {w.stride()}")

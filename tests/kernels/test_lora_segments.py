@@ -1,0 +1,91 @@
+"""Invariants of the segment builder, apart from any kernel numerics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.lora_segments import (
+    LoraSegmentsConfig,
+    allocate_lora_segments,
+    build_lora_segments,
+)
+
+
+def _live(segs):  # type: ignore[no-untyped-def]
+    n = segs.num_live_segments
+    return segs.seg_indptr[: n + 1].tolist(), segs.seg_slot[:n].tolist()
+
+
+def test_consecutive_equal_slots_form_one_segment() -> None:
+    segs = build_lora_segments([2, 2, 0, -1, -1, 2], [4, 0, 8])
+    assert _live(segs) == ([0, 2, 3, 5, 6], [2, 0, -1, 2])
+    assert segs.token_slot.tolist() == [2, 2, 0, -1, -1, 2]
+    assert segs.num_segments.tolist() == [4]
+    assert segs.slot_rank.tolist() == [4, 0, 8]
+
+
+def test_empty_batch_has_no_segments() -> None:
+    segs = build_lora_segments([], [8, 8])
+    assert segs.num_tokens == 0 and segs.num_live_segments == 0
+    assert segs.seg_indptr.tolist() == [0, 0]
+    assert segs.seg_slot.tolist() == [-1]
+    assert segs.token_slot.tolist() == [-1]
+
+
+def test_all_base_is_one_no_work_segment() -> None:
+    segs = build_lora_segments([-1] * 5, [8])
+    assert _live(segs) == ([0, 5], [-1])
+
+
+def test_all_one_slot_is_split_at_max_seg_len() -> None:
+    segs = build_lora_segments([1] * 40, [8, 8], max_seg_len=16)
+    assert _live(segs) == ([0, 16, 32, 40], [1, 1, 1])
+
+
+def test_one_token_per_segment() -> None:
+    slots = [0, 1, 2, 3, 2, 1, 0]
+    segs = build_lora_segments(slots, [1, 2, 3, 4])
+    assert _live(segs) == (list(range(8)), slots)
+
+
+def test_reuse_pads_past_the_live_batch() -> None:
+    segs = allocate_lora_segments(LoraSegmentsConfig(max_tokens=8, num_slots=3), "cpu")
+    packed = segs.packed.data_ptr()
+    build_lora_segments([0, 1, 1, 2, 2, 2, 0, 0], [1, 2, 3], out=segs)
+    build_lora_segments([2, 2, 1], torch.tensor([5, 6, 7], dtype=torch.int32), out=segs)
+    assert segs.packed.data_ptr() == packed, "a captured graph must keep seeing the same buffer"
+    assert segs.seg_indptr.tolist() == [0, 2, 3, 3, 3, 3, 3, 3, 3]
+    assert segs.seg_slot.tolist() == [2, 1, -1, -1, -1, -1, -1, -1]
+    assert segs.token_slot.tolist() == [2, 2, 1, -1, -1, -1, -1, -1]
+    assert segs.slot_rank.tolist() == [5, 6, 7]
+    assert (segs.num_tokens, segs.num_live_segments, segs.num_segments.item()) == (3, 2, 2)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_batches_partition_the_tokens(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = int(torch.randint(1, 80, (1,), generator=gen))
+    slots = torch.randint(-1, 4, (num_tokens,), generator=gen).tolist()
+    segs = build_lora_segments(slots, [3, 0, 16, 9], max_seg_len=16)
+    indptr, seg_slot = _live(segs)
+    assert indptr[0] == 0 and indptr[-1] == num_tokens
+    for start, end, slot in zip(indptr, indptr[1:], seg_slot, strict=False):
+        assert 0 < end - start <= 16
+        assert slots[start:end] == [slot] * (end - start)
+    for i in range(len(seg_slot) - 1):
+        # Runs are maximal: a run only continues into the next segment at the length cap.
+        if seg_slot[i] == seg_slot[i + 1]:
+            assert indptr[i + 1] - indptr[i] == 16
+
+
+def test_rejects_bad_input() -> None:
+    segs = allocate_lora_segments(LoraSegmentsConfig(max_tokens=2, num_slots=2), "cpu")
+    with pytest.raises(ValueError, match="tokens"):
+        build_lora_segments([0, 0, 0], [1, 1], out=segs)
+    with pytest.raises(ValueError, match="slots"):
+        build_lora_segments([0], [1, 1, 1], out=segs)
+    with pytest.raises(ValueError, match="token slots"):
+        build_lora_segments([2], [1, 1], out=segs)
+    with pytest.raises(ValueError, match="max_seg_len"):
+        LoraSegmentsConfig(max_tokens=4, num_slots=1, max_seg_len=24)

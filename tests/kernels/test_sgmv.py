@@ -1,0 +1,208 @@
+"""SGMV shrink/expand: Triton kernels vs the torch reference, and the reference vs fp64 ΔW.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (set by conftest.py) in fp32/fp16; the
+`gpu` tests run them compiled in bf16, including CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.lora_segments import LoraSegmentsConfig, allocate_lora_segments, build_lora_segments
+from kernels.sgmv import sgmv_expand, sgmv_expand_ref, sgmv_shrink, sgmv_shrink_ref
+from tests.kernels.lora_cases import (
+    POPULARITIES,
+    assert_close,
+    mixed_ranks,
+    pool_A,
+    pool_B,
+    popular_slots,
+)
+
+# Unequal stacked slices like attn.qkv_a (q_lora_rank | kv_lora_rank + rope), odd widths.
+QKV_A_SLICES = [0, 37, 37 + 45]
+DENSE_SLICES = [0, 53]
+
+
+def _lora_case(popularity, num_tokens, in_dim, slice_offsets, pool_rank, dtype, seed, poison=0.0):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    num_slots, num_slices = 5, len(slice_offsets) - 1
+    ranks = mixed_ranks(num_slots, pool_rank, gen)
+    segs = build_lora_segments(popular_slots(popularity, num_tokens, num_slots, gen), ranks)
+    x = torch.randn(num_tokens, in_dim).to(dtype)
+    A = pool_A(ranks, num_slices, pool_rank, in_dim, poison).to(dtype)
+    B = pool_B(ranks, slice_offsets[-1], pool_rank, poison).to(dtype)
+    base_out = torch.randn(num_tokens, slice_offsets[-1]).to(dtype)
+    return segs, x, A, B, base_out
+
+
+def _dense_delta(x, A, B, segs, slice_offsets):  # type: ignore[no-untyped-def]
+    """fp64 ΔW = B_i·A_i per token's slot, applied densely: the semantics, not the method."""
+    num_slices = len(slice_offsets) - 1
+    pool_rank = B.shape[2]
+    delta = torch.zeros(x.shape[0], slice_offsets[-1], dtype=torch.float64)
+    for t, slot in enumerate(segs.token_slot[: x.shape[0]].tolist()):
+        if slot < 0:
+            continue
+        rank = int(segs.slot_rank[slot])
+        for i in range(num_slices):
+            lo, hi = slice_offsets[i], slice_offsets[i + 1]
+            a = A[slot, i * pool_rank : i * pool_rank + rank].double()  # [rank, in]
+            b = B[slot, lo:hi, :rank].double()  # [out_i, rank]
+            delta[t, lo:hi] = (b @ a) @ x[t].double()
+    return delta
+
+
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("slice_offsets", [DENSE_SLICES, QKV_A_SLICES], ids=["1slice", "qkv_a"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sgmv_matches_reference(popularity, slice_offsets, dtype) -> None:  # type: ignore[no-untyped-def]
+    num_slices = len(slice_offsets) - 1
+    # in=53 fits one K block: the split-free (plain store) shrink path.
+    segs, x, A, B, out = _lora_case(popularity, 23, 53, slice_offsets, 16, dtype, seed=1)
+    y = sgmv_shrink(x, A, segs, num_slices)
+    y_ref = sgmv_shrink_ref(x.float(), A.float(), segs, num_slices)
+    assert_close(y, y_ref, dtype)
+    expected = sgmv_expand_ref(y_ref, B.float(), out.float(), segs, slice_offsets)
+    assert_close(sgmv_expand(y, B, out, segs, slice_offsets), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_k_prefill_segments_and_rank_below_block(dtype) -> None:  # type: ignore[no-untyped-def]
+    """K=300 spans 3 K-blocks (split-K with atomics), 40-token runs span several segments,
+    pool rank 32 with ranks 1..32 exercises two rank blocks and masked rank tails."""
+    segs, x, A, B, out = _lora_case("skewed", 70, 300, QKV_A_SLICES, 32, dtype, seed=2)
+    y = sgmv_shrink(x, A, segs, 2)
+    y_ref = sgmv_shrink_ref(x.float(), A.float(), segs, 2)
+    assert_close(y, y_ref, dtype)
+    expected = sgmv_expand_ref(y_ref, B.float(), out.float(), segs, QKV_A_SLICES)
+    assert_close(sgmv_expand(y, B, out, segs, QKV_A_SLICES), expected, dtype)
+
+
+def test_kernels_never_read_past_a_slot_rank() -> None:
+    """NaN in every unused rank row/column: a kernel that touches them returns NaN."""
+    segs, x, A, B, out = _lora_case(
+        "zipf", 19, 67, QKV_A_SLICES, 16, torch.float32, 3, poison=float("nan")
+    )
+    y = sgmv_shrink(x, A, segs, 2)
+    got = sgmv_expand(y, B, out.clone(), segs, QKV_A_SLICES)
+    assert torch.isfinite(got).all()
+    assert_close(
+        got,
+        sgmv_expand_ref(sgmv_shrink_ref(x, A, segs, 2), B, out, segs, QKV_A_SLICES),
+        torch.float32,
+    )
+
+
+@pytest.mark.parametrize("half", ["q_a_only", "kv_a_only"])
+def test_half_present_qkv_a_adapter_touches_only_its_half(half) -> None:  # type: ignore[no-untyped-def]
+    """A q_a-only adapter stores zeros for the kv_a slice of A and B (and vice versa)."""
+    segs, x, A, B, out = _lora_case("identical", 9, 67, QKV_A_SLICES, 16, torch.float32, 4)
+    absent = 1 if half == "q_a_only" else 0
+    lo, hi = QKV_A_SLICES[absent], QKV_A_SLICES[absent + 1]
+    A[:, absent * 16 : (absent + 1) * 16] = 0
+    B[:, lo:hi] = 0
+    got = sgmv_expand(sgmv_shrink(x, A, segs, 2), B, out.clone(), segs, QKV_A_SLICES)
+    torch.testing.assert_close(got[:, lo:hi], out[:, lo:hi], atol=0, rtol=0)
+    present = [c for c in range(QKV_A_SLICES[-1]) if not lo <= c < hi]
+    assert (got[:, present] - out[:, present]).abs().amax() > 1e-3
+    expected = out.double() + _dense_delta(x, A, B, segs, QKV_A_SLICES)
+    assert_close(got, expected, torch.float32)
+
+
+def test_reference_equals_dense_delta_in_fp64() -> None:
+    segs, x, A, B, out = _lora_case("distinct", 17, 29, QKV_A_SLICES, 8, torch.float64, 5)
+    y = sgmv_shrink_ref(x, A, segs, 2)
+    got = sgmv_expand_ref(y, B, out.clone(), segs, QKV_A_SLICES)
+    expected = out + _dense_delta(x, A, B, segs, QKV_A_SLICES)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_preallocated_buffers_larger_than_the_batch() -> None:
+    gen = torch.Generator().manual_seed(6)
+    segs = allocate_lora_segments(LoraSegmentsConfig(max_tokens=32, num_slots=3), "cpu")
+    build_lora_segments([0, 0, 2, -1, 1], [3, 16, 7], out=segs)
+    x = torch.randn(5, 40, generator=gen)
+    A = pool_A([3, 16, 7], 1, 16, 40)
+    B = pool_B([3, 16, 7], 24, 16)
+    out = torch.zeros(5, 24)
+    y = sgmv_shrink(x, A, segs)
+    assert_close(y, sgmv_shrink_ref(x, A, segs), torch.float32)
+    got = sgmv_expand(y, B, out.clone(), segs, [0, 24])
+    assert_close(got, sgmv_expand_ref(y, B, out, segs, [0, 24]), torch.float32)
+
+
+def test_launchers_reject_mismatched_shapes() -> None:
+    segs = build_lora_segments([0, 0], [4])
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="does not fit"):
+        sgmv_shrink(x, torch.randn(1, 16, 9), segs)
+    with pytest.raises(ValueError, match="must be 3-D"):
+        sgmv_shrink(x, torch.randn(1, 16, 8, dtype=torch.float16), segs)
+    with pytest.raises(ValueError, match="segments describe"):
+        sgmv_shrink(torch.randn(3, 8), torch.randn(1, 16, 8), segs)
+    with pytest.raises(ValueError, match="span"):
+        sgmv_expand(torch.zeros(2, 16), torch.randn(1, 10, 16), torch.zeros(2, 10), segs, [0, 9])
+
+
+# ---- GPU (bf16, compiled) ----------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize(
+    "num_tokens,in_dim,pool_rank", [(1, 7168, 16), (64, 7168, 64), (300, 2048, 16)]
+)
+def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank) -> None:  # type: ignore[no-untyped-def]
+    slices = [0, 1536, 1536 + 576]
+    segs, x, A, B, out = _lora_case(
+        popularity, num_tokens, in_dim, slices, pool_rank, torch.bfloat16, 7
+    )
+    segs = build_lora_segments(
+        segs.token_slot[: segs.num_tokens].tolist(), segs.slot_rank, device="cuda"
+    )
+    x, A, B, out = (t.cuda() for t in (x, A, B, out))
+    y = sgmv_shrink(x, A, segs, 2)
+    y_ref = sgmv_shrink_ref(x.float(), A.float(), segs, 2)
+    assert_close(y, y_ref, torch.bfloat16)
+    expected = sgmv_expand_ref(y_ref, B.float(), out.float(), segs, slices)
+    assert_close(sgmv_expand(y, B, out, segs, slices), expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_more_segments_than_at_capture() -> None:
+    gen = torch.Generator().manual_seed(8)
+    num_slots, pool_rank, hidden, max_tokens = 8, 16, 1024, 64
+    ranks = mixed_ranks(num_slots, pool_rank, gen)
+    segs = allocate_lora_segments(LoraSegmentsConfig(max_tokens, num_slots), "cuda")
+    A = pool_A(ranks, 1, pool_rank, hidden).to("cuda", torch.bfloat16)
+    B = pool_B(ranks, hidden, pool_rank).to("cuda", torch.bfloat16)
+    x = torch.randn(max_tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
+    out = torch.zeros(max_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:
+        out.zero_()
+        sgmv_expand(sgmv_shrink(x, A, segs), B, out, segs, [0, hidden])
+
+    build_lora_segments([0] * max_tokens, ranks, out=segs)  # capture with one segment
+    for _ in range(2):  # compile outside the capture
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    replay_slots = sorted(popular_slots("distinct", max_tokens, num_slots, gen))
+    build_lora_segments(replay_slots, ranks, out=segs)
+    assert segs.num_live_segments > 1
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = sgmv_expand_ref(
+        sgmv_shrink_ref(x.float(), A.float(), segs),
+        B.float(),
+        torch.zeros_like(out, dtype=torch.float32),
+        segs,
+        [0, hidden],
+    )
+    assert_close(out, expected, torch.bfloat16)
