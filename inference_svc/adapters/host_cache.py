@@ -1,0 +1,198 @@
+"""Size-bounded LRU of deserialized canonical adapters in (pinned) host memory.
+
+The middle tier of S3 → host → GPU slot. Tensors are converted to the slot pool's dtype on
+insert (a dtype-converting host→device copy is converted on the CPU first and is no longer
+asynchronous) and pinned when CUDA is available (only pinned memory copies asynchronously).
+
+An entry being copied to the GPU is *in use* (`acquire` … `release`) and is never evicted
+or dropped, so a side-stream copy never reads freed or reused memory. Thread-safe: S3
+fetches insert from worker threads while the scheduler reads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+
+import torch
+
+from adapter_store.errors import ResourceExhausted
+from adapter_store.format import CanonicalAdapter
+
+HostKey = Hashable  # (tenant, name, version)
+
+
+@dataclass(frozen=True)
+class HostCacheConfig:
+    capacity_bytes: int
+    dtype: torch.dtype | None = None  # the slot pool's dtype; None keeps the stored dtype
+    pin_memory: bool | None = None  # None: pin exactly when CUDA is available
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA")
+
+    @property
+    def pins(self) -> bool:
+        return torch.cuda.is_available() if self.pin_memory is None else self.pin_memory
+
+
+@dataclass(frozen=True)
+class HostCacheEntry:
+    key: HostKey
+    size_bytes: int
+    in_use: int  # copies to the GPU in flight
+
+
+@dataclass(frozen=True)
+class HostCacheMetrics:
+    hits: int
+    misses: int
+    inserts: int
+    evictions: int
+    entries: int
+    bytes_used: int
+    capacity_bytes: int
+
+
+@dataclass
+class _Entry:
+    adapter: CanonicalAdapter
+    size_bytes: int
+    in_use: int = 0
+    drop_when_released: bool = False
+
+
+class HostAdapterCache:
+    """LRU by bytes; entries in use are never evicted."""
+
+    def __init__(self, config: HostCacheConfig) -> None:
+        self.config = config
+        self._entries: OrderedDict[HostKey, _Entry] = OrderedDict()  # LRU first
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._inserts = self._evictions = 0
+
+    def __contains__(self, key: HostKey) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def acquire(self, key: HostKey) -> CanonicalAdapter | None:
+        """The cached adapter, marked in use until `release(key)`; None on a miss."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.drop_when_released:
+                self._misses += 1
+                return None
+            self._hits += 1
+            entry.in_use += 1
+            self._entries.move_to_end(key)
+            return entry.adapter
+
+    def insert(self, key: HostKey, adapter: CanonicalAdapter) -> CanonicalAdapter:
+        """Store a freshly fetched adapter (converted and pinned) and return the stored one,
+        marked in use until `release(key)`. Evicts least recently used entries that are not
+        in use; raises ResourceExhausted when that cannot make room."""
+        stored = self._to_host(adapter)
+        size = adapter_bytes(stored)
+        with self._lock:
+            existing = self._entries.get(key)
+            if existing is not None:
+                # Another fetch of the same (immutable) version won the race, or the entry
+                # was discarded while in use: keep the one already here.
+                existing.in_use += 1
+                existing.drop_when_released = False
+                self._entries.move_to_end(key)
+                return existing.adapter
+            self._make_room(key, size)
+            self._entries[key] = _Entry(stored, size, in_use=1)
+            self._bytes += size
+            self._inserts += 1
+            return stored
+
+    def release(self, key: HostKey) -> None:
+        """The copy to the GPU that `acquire`/`insert` was for has completed."""
+        with self._lock:
+            entry = self._entries[key]
+            if entry.in_use == 0:
+                raise ValueError(f"host cache entry {key!r} is not in use")
+            entry.in_use -= 1
+            if entry.in_use == 0 and entry.drop_when_released:
+                self._remove(key)
+
+    def discard(self, key: HostKey) -> bool:
+        """Drop an entry (UnloadAdapter, a deleted version); one in use goes when released.
+        Returns whether it was cached."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            if entry.in_use:
+                entry.drop_when_released = True
+            else:
+                self._remove(key)
+            return True
+
+    def entries(self) -> list[HostCacheEntry]:
+        """Every cached adapter, least recently used first."""
+        with self._lock:
+            return [
+                HostCacheEntry(key, entry.size_bytes, entry.in_use)
+                for key, entry in self._entries.items()
+                if not entry.drop_when_released
+            ]
+
+    def metrics(self) -> HostCacheMetrics:
+        with self._lock:
+            return HostCacheMetrics(
+                hits=self._hits,
+                misses=self._misses,
+                inserts=self._inserts,
+                evictions=self._evictions,
+                entries=len(self._entries),
+                bytes_used=self._bytes,
+                capacity_bytes=self.config.capacity_bytes,
+            )
+
+    def _make_room(self, key: HostKey, size: int) -> None:
+        capacity = self.config.capacity_bytes
+        if size > capacity:
+            raise ResourceExhausted(
+                f"adapter {key!r} needs {size} bytes of host cache, more than its capacity "
+                f"of {capacity} bytes"
+            )
+        while self._bytes + size > capacity:
+            victim = next((k for k, e in self._entries.items() if e.in_use == 0), None)
+            if victim is None:
+                in_use = sum(e.size_bytes for e in self._entries.values())
+                raise ResourceExhausted(
+                    f"host adapter cache full: adapter {key!r} needs {size} bytes, "
+                    f"{in_use} of {capacity} bytes are being copied to the GPU"
+                )
+            self._remove(victim)
+            self._evictions += 1
+
+    def _remove(self, key: HostKey) -> None:
+        self._bytes -= self._entries.pop(key).size_bytes
+
+    def _to_host(self, adapter: CanonicalAdapter) -> CanonicalAdapter:
+        dtype, pin = self.config.dtype, self.config.pins
+        tensors = {}
+        for name, tensor in adapter.tensors.items():
+            tensor = tensor.to(dtype or tensor.dtype).contiguous()
+            tensors[name] = tensor.pin_memory() if pin else tensor
+        manifest = adapter.manifest
+        if dtype is not None:
+            # The manifest describes the tensors it travels with; sha256 stays that of the
+            # stored file (it names the version).
+            manifest = replace(manifest, dtype=str(dtype).removeprefix("torch."))
+        return CanonicalAdapter(manifest, tensors)
+
+
+def adapter_bytes(adapter: CanonicalAdapter) -> int:
+    """Bytes of an adapter's tensors."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in adapter.tensors.values())

@@ -1,0 +1,196 @@
+"""Fetch one canonical adapter version from S3: manifest, then weights by parallel ranged
+GETs, sha256-verified before anything parses them.
+
+S3 layout (fixed): `tenants/{tenant}/adapters/{name}/v{version}/weights.safetensors` and
+`manifest.json`. The manifest's sha256 must equal the store's record (when the caller has
+it) and the downloaded bytes must hash to it.
+
+Errors, decided here:
+- a digest mismatch is retried once (a torn read or a flaky proxy); a second mismatch means
+  the stored object itself is bad, which retrying later will not fix: FailedPrecondition
+  naming the object and both digests (gRPC's DATA_LOSS would fit too, but clients already
+  handle FAILED_PRECONDITION as "this adapter cannot be served until someone fixes it");
+- a manifest that disagrees with the store's record, or stored bytes that do not parse:
+  FailedPrecondition;
+- a missing object: NotFound; S3 unreachable, timing out or answering 5xx: Unavailable,
+  naming S3 and its endpoint.
+
+boto3 is imported when a fetcher is built, not at module import (the GPU image lacks it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from adapter_store.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from adapter_store.format import CanonicalAdapter, Manifest, deserialize
+
+MIB = 1 << 20
+
+
+def adapter_prefix(tenant: str, name: str, version: int) -> str:
+    """Key prefix of one adapter version in the store's bucket."""
+    return f"tenants/{tenant}/adapters/{name}/v{version}/"
+
+
+@dataclass(frozen=True)
+class S3FetchConfig:
+    bucket: str
+    endpoint_url: str | None = None  # None: AWS (credentials the usual boto3 way)
+    part_size: int = 8 * MIB  # bytes per ranged GET
+    concurrency: int = 8  # ranged GETs in flight, shared by concurrent fetches
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 30.0
+    max_attempts: int = 2  # botocore's own retries per request (connection errors, 5xx)
+
+    def __post_init__(self) -> None:
+        if not self.bucket:
+            raise ValueError("bucket must be set")
+        if self.part_size < 1 or self.concurrency < 1 or self.max_attempts < 1:
+            raise ValueError(
+                f"part_size, concurrency and max_attempts must be >= 1, got {self.part_size}, "
+                f"{self.concurrency}, {self.max_attempts}"
+            )
+        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+
+
+@dataclass(frozen=True)
+class FetchedAdapter:
+    adapter: CanonicalAdapter
+    size_bytes: int  # of weights.safetensors
+    parts: int  # ranged GETs per download
+    downloads: int  # 1, or 2 when the first download did not match its digest
+    seconds: float
+
+
+class _DigestMismatch(Exception):
+    def __init__(self, got: str, size: int) -> None:
+        super().__init__(got)
+        self.got, self.size = got, size
+
+
+class S3AdapterFetcher:
+    """Downloads adapter versions with parallel ranged GETs on a shared thread pool."""
+
+    def __init__(self, config: S3FetchConfig) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.config = config
+        # One client for all threads: boto3 clients are thread-safe (resources are not).
+        self._s3 = boto3.client(
+            "s3",
+            endpoint_url=config.endpoint_url,
+            config=Config(
+                connect_timeout=config.connect_timeout_s,
+                read_timeout=config.read_timeout_s,
+                retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                max_pool_connections=max(10, 2 * config.concurrency),
+            ),
+        )
+        self._parts = ThreadPoolExecutor(config.concurrency, thread_name_prefix="s3-part")
+
+    def close(self) -> None:
+        self._parts.shutdown(wait=False, cancel_futures=True)
+
+    async def fetch_async(
+        self, tenant: str, name: str, version: int, expected_sha256: str | None = None
+    ) -> FetchedAdapter:
+        """`fetch` in a worker thread, so the event loop keeps serving."""
+        return await asyncio.to_thread(self.fetch, tenant, name, version, expected_sha256)
+
+    def fetch(
+        self, tenant: str, name: str, version: int, expected_sha256: str | None = None
+    ) -> FetchedAdapter:
+        """Download, verify and deserialize one adapter version (blocking).
+
+        `expected_sha256` is the store's record of the weights' digest; the manifest in S3
+        must agree with it.
+        """
+        started = time.perf_counter()
+        prefix = adapter_prefix(tenant, name, version)
+        label = f"adapter {tenant}/{name}@{version}"
+        manifest_json = self._get(prefix + "manifest.json", label)
+        try:
+            manifest = Manifest.from_json(manifest_json)
+        except InvalidArgument as exc:
+            raise FailedPrecondition(f"{label}: manifest.json in S3 is unreadable: {exc}") from None
+        if expected_sha256 is not None and manifest.sha256 != expected_sha256:
+            raise FailedPrecondition(
+                f"{label}: manifest.json in S3 names weights sha256 {manifest.sha256}, the "
+                f"store's record says {expected_sha256}"
+            )
+        weights_key = prefix + "weights.safetensors"
+        parts = max(1, -(-manifest.size_bytes // self.config.part_size))
+        for downloads in (1, 2):
+            try:
+                weights = self._download_verified(weights_key, manifest, label)
+                break
+            except _DigestMismatch as mismatch:
+                if downloads == 2:
+                    raise FailedPrecondition(
+                        f"{label}: s3://{self.config.bucket}/{weights_key} is corrupt: two "
+                        f"downloads hashed to sha256 {mismatch.got} ({mismatch.size} bytes), "
+                        f"the manifest says {manifest.sha256} ({manifest.size_bytes} bytes); "
+                        "re-upload the adapter"
+                    ) from None
+        try:
+            adapter = deserialize(weights, manifest_json, verify=False)  # verified above
+        except InvalidArgument as exc:
+            raise FailedPrecondition(f"{label}: stored weights do not parse: {exc}") from None
+        return FetchedAdapter(
+            adapter, len(weights), parts, downloads, time.perf_counter() - started
+        )
+
+    def _download_verified(self, key: str, manifest: Manifest, label: str) -> bytes:
+        """All parts into one buffer; raises _DigestMismatch unless it hashes right."""
+        size, part = manifest.size_bytes, self.config.part_size
+        buffer = bytearray(size)
+        ranges = [(start, min(start + part, size)) for start in range(0, size, part)]
+
+        def get_part(bounds: tuple[int, int]) -> int:
+            start, end = bounds
+            data = self._get(key, label, byte_range=f"bytes={start}-{end - 1}")
+            buffer[start : start + len(data)] = data[: end - start]
+            return len(data)
+
+        received = sum(self._parts.map(get_part, ranges))
+        digest = hashlib.sha256(buffer).hexdigest()
+        if received != size or digest != manifest.sha256:
+            raise _DigestMismatch(digest, received)
+        return bytes(buffer)
+
+    def _get(self, key: str, label: str, byte_range: str | None = None) -> bytes:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        args: dict[str, Any] = {"Bucket": self.config.bucket, "Key": key}
+        if byte_range is not None:
+            args["Range"] = byte_range
+        where = f"s3://{self.config.bucket}/{key}"
+        try:
+            return self._s3.get_object(**args)["Body"].read()
+        except ClientError as exc:
+            error = exc.response.get("Error", {})
+            code = str(error.get("Code", ""))
+            if code in ("NoSuchKey", "404", "NoSuchBucket"):
+                raise NotFound(f"{label}: {where} does not exist") from None
+            if code == "InvalidRange":
+                return b""  # the object is shorter than its manifest says: a digest mismatch
+            raise Unavailable(
+                f"S3 at {self._endpoint} refused GET {where}: {code} {error.get('Message', '')}"
+            ) from None
+        except BotoCoreError as exc:
+            raise Unavailable(
+                f"S3 at {self._endpoint} is unavailable for GET {where}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+
+    @property
+    def _endpoint(self) -> str:
+        return self.config.endpoint_url or "AWS"

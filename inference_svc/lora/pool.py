@@ -1,0 +1,337 @@
+"""The GPU LoRA slot pool: fixed device buffers that hold `num_slots` adapters at once.
+
+Per canonical module and decoder layer (legend: S slots, R max rank, E routed experts,
+`stack` = number of stacked slices of the module):
+
+    lora_a(layer, module)   [S, stack*R, in]        MoE: [S, E, stack*R, in]
+    lora_b(layer, module)   [S, out_total, R]       MoE: [S, E, out_total, R]
+    slot_rank               int32 [S]               the loaded adapter's rank, 0 = empty
+
+Slice `s` of A owns rows `s*R : s*R + r`; B owns columns `:r` (r = the adapter's rank). The
+rows/columns from r to R are zero, and so is every module an adapter does not target, so a
+rank-8 adapter in a rank-64 pool gives exact results and kernels may read only `slot_rank`
+rank rows.
+
+MoE "shared_outer" adapters store one `lora_A` of `moe.gate_up` and one `lora_B` of
+`moe.down` (leading dim 1). The pool has one layout for all adapters: the shared part is
+copied to expert 0 once over PCIe and broadcast to the other experts on the device, so the
+MoE kernels index `[slot, expert]` without a per-slot layout flag. The pool needs the
+per-expert memory anyway (a per-expert adapter can land in any slot).
+
+Layers with the same module shape share one allocation `[layers, S, ...]`; `lora_a` /
+`lora_b` return per-layer views, which are contiguous.
+
+Loads run on a side CUDA stream that first waits for the work already queued on the
+current stream (a forward may still read the evicted adapter), copy non-blocking from
+pinned host tensors, and record an event the scheduler waits on before running a batch
+that uses the slot. On the CPU the copies are plain and the event is None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from adapter_store.errors import FailedPrecondition
+from adapter_store.format import CanonicalAdapter, ModuleShape, module_key, tensor_name
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class LoraPoolConfig:
+    """How big the pool is: `max_loras` slots, or as many as a memory budget holds, or both
+    (then the smaller). The budget is `lora_memory_gb` or `lora_memory_fraction` of the
+    device's free memory."""
+
+    max_lora_rank: int
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cuda"
+    max_loras: int | None = None
+    lora_memory_gb: float | None = None
+    lora_memory_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.lora_memory_gb is not None and self.lora_memory_fraction is not None:
+            raise ValueError("give lora_memory_gb or lora_memory_fraction, not both")
+        if self.lora_memory_gb is not None and self.lora_memory_gb <= 0:
+            raise ValueError(f"lora_memory_gb must be > 0, got {self.lora_memory_gb}")
+        if self.lora_memory_fraction is not None and not 0 < self.lora_memory_fraction <= 1:
+            raise ValueError(
+                f"lora_memory_fraction must be in (0, 1], got {self.lora_memory_fraction}"
+            )
+        if self.max_loras is None and self.budget_source is None:
+            raise ValueError("give max_loras, lora_memory_gb or lora_memory_fraction")
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point type, got {self.dtype}")
+
+    @property
+    def budget_source(self) -> str | None:
+        if self.lora_memory_gb is not None:
+            return "lora_memory_gb"
+        if self.lora_memory_fraction is not None:
+            return "lora_memory_fraction"
+        return None
+
+
+def buffer_shapes(
+    shape: ModuleShape, num_slots: int, max_rank: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's A and B buffers of `shape` for `num_slots` slots."""
+    experts = () if shape.num_experts is None else (shape.num_experts,)
+    a_shape = (num_slots, *experts, shape.stack * max_rank, shape.in_features)
+    b_shape = (num_slots, *experts, shape.out_features, max_rank)
+    return a_shape, b_shape
+
+
+def slot_bytes(shapes: Mapping[str, ModuleShape], max_rank: int, dtype: torch.dtype) -> int:
+    """Device bytes one slot of rank `max_rank` takes over every module and layer."""
+    elements = 0
+    for shape in shapes.values():
+        a_shape, b_shape = buffer_shapes(shape, 1, max_rank)
+        elements += len(shape.layers) * (math.prod(a_shape) + math.prod(b_shape))
+    return elements * dtype.itemsize
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of `device`: the CUDA allocator's view, or the host's available RAM."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def plan_num_slots(config: LoraPoolConfig, shapes: Mapping[str, ModuleShape]) -> int:
+    """How many slots the pool gets; logs the sizing decision. Raises ValueError when the
+    budget holds not even one slot."""
+    per_slot = slot_bytes(shapes, config.max_lora_rank, config.dtype)
+    source = config.budget_source
+    if source is None:
+        assert config.max_loras is not None  # __post_init__ guarantees one of the two
+        slots, budget_text = config.max_loras, "max_loras"
+    else:
+        if config.lora_memory_gb is not None:
+            budget = int(config.lora_memory_gb * GIB)
+            budget_text = f"lora_memory_gb={config.lora_memory_gb:g}"
+        else:
+            fraction = config.lora_memory_fraction or 0.0
+            free = free_memory_bytes(torch.device(config.device))
+            budget = int(fraction * free)
+            budget_text = f"lora_memory_fraction={fraction:g} of {free / GIB:.2f} GiB free"
+        slots = budget // per_slot
+        if slots < 1:
+            raise ValueError(
+                f"LoRA pool: {budget / GIB:.3f} GiB ({budget_text}) holds no slot of rank "
+                f"{config.max_lora_rank}; one slot needs {per_slot / (1 << 20):.1f} MiB"
+            )
+        if config.max_loras is not None:
+            slots = min(slots, config.max_loras)
+    log.info(
+        "LoRA pool: %d slots of rank %d (%s, %.1f MiB per slot, %.3f GiB in all; %s)",
+        slots,
+        config.max_lora_rank,
+        str(config.dtype).removeprefix("torch."),
+        per_slot / (1 << 20),
+        slots * per_slot / GIB,
+        budget_text,
+    )
+    return slots
+
+
+@dataclass(frozen=True)
+class SlotLoad:
+    """A copy into a slot in flight: wait for `event` before reading the slot on a stream."""
+
+    slot: int
+    event: torch.cuda.Event | None  # None on the CPU, where the copy has completed
+
+    def done(self) -> bool:
+        """Whether the copy has completed (never blocks)."""
+        return self.event is None or self.event.query()
+
+    def wait_on(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: the current one) wait for the copy, without a host sync."""
+        if self.event is not None:
+            self.event.wait(stream)
+
+
+class LoraPool:
+    """Device buffers of every canonical module and layer for `num_slots` adapters."""
+
+    def __init__(
+        self, shapes: Mapping[str, ModuleShape], num_slots: int, config: LoraPoolConfig
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.config = config
+        self.num_slots = num_slots
+        self.max_rank = config.max_lora_rank
+        self.device = torch.device(config.device)
+        self.dtype = config.dtype
+        self.shapes = dict(shapes)
+        self.bytes_per_slot = slot_bytes(shapes, self.max_rank, self.dtype)
+        self._a: dict[tuple[int, str], Tensor] = {}
+        self._b: dict[tuple[int, str], Tensor] = {}
+        self._shape_of: dict[tuple[int, str], ModuleShape] = {}
+        # One [layers, S, ...] allocation per module shape: zeroing a slot is 2 ops per
+        # shape instead of 2 per layer and module (~1000 launches on DeepSeek-V3).
+        self._groups: list[tuple[Tensor, Tensor]] = []
+        for shape in shapes.values():
+            a_shape, b_shape = buffer_shapes(shape, num_slots, self.max_rank)
+            a_all = self._zeros((len(shape.layers), *a_shape))
+            b_all = self._zeros((len(shape.layers), *b_shape))
+            self._groups.append((a_all, b_all))
+            for index, layer in enumerate(shape.layers):
+                self._a[layer, shape.module] = a_all[index]
+                self._b[layer, shape.module] = b_all[index]
+                self._shape_of[layer, shape.module] = shape
+        self.slot_rank = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
+        # Host mirror of slot_rank, for building batch metadata without a device read.
+        self.slot_rank_host = [0] * num_slots
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @classmethod
+    def from_config(cls, shapes: Mapping[str, ModuleShape], config: LoraPoolConfig) -> LoraPool:
+        """A pool sized by `plan_num_slots` (logs how many slots of which rank fit)."""
+        return cls(shapes, plan_num_slots(config, shapes), config)
+
+    def lora_a(self, layer: int, module: str) -> Tensor:
+        """A buffer of one module instance: [S, stack*R, in] (MoE [S, E, stack*R, in])."""
+        return self._a[layer, module]
+
+    def lora_b(self, layer: int, module: str) -> Tensor:
+        """B buffer of one module instance: [S, out_total, R] (MoE [S, E, out_total, R])."""
+        return self._b[layer, module]
+
+    def module_instances(self) -> list[tuple[int, str]]:
+        """(layer, module) of every module instance the pool holds."""
+        return list(self._a)
+
+    def check_compatible(self, adapter: CanonicalAdapter) -> None:
+        """Raise FailedPrecondition when the adapter cannot go into this pool (rank above
+        the pool's, a module or shape the base model does not have)."""
+        manifest = adapter.manifest
+        if manifest.rank > self.max_rank:
+            raise FailedPrecondition(
+                f"adapter rank {manifest.rank} exceeds this server's max_lora_rank {self.max_rank}"
+            )
+        r = manifest.rank
+        for layer, module in manifest.modules:
+            shape = self._shape_of.get((layer, module))
+            key = module_key(layer, module)
+            if shape is None:
+                raise FailedPrecondition(f"adapter has {key}, which the base model lacks")
+            lora_a = adapter.tensors[tensor_name(layer, module, "lora_A")]
+            lora_b = adapter.tensors[tensor_name(layer, module, "lora_B")]
+            if not _fits(shape, lora_a, lora_b, r):
+                raise FailedPrecondition(
+                    f"{key}: adapter lora_A {list(lora_a.shape)} / lora_B "
+                    f"{list(lora_b.shape)} do not fit the base model (in {shape.in_features}, "
+                    f"out slices {list(shape.out_slices)}, experts {shape.num_experts})"
+                )
+
+    def load(self, slot: int, adapter: CanonicalAdapter) -> SlotLoad:
+        """Copy `adapter` into `slot`, zeroing whatever it does not fill.
+
+        Semantics: A[slot] = 0; B[slot] = 0; then per module, slice s:
+            A[slot, .., s*R : s*R+r, :] = lora_A[.., s*r : (s+1)*r, :]
+            B[slot, .., :, :r] = lora_B;  slot_rank[slot] = r
+        with a leading dim of 1 (shared_outer) broadcast over the experts.
+        Host tensors must stay alive (and unchanged) until the returned load is done.
+        """
+        self._check_slot(slot)
+        self.check_compatible(adapter)
+        r = adapter.manifest.rank
+        targeted = set(adapter.manifest.modules)
+        with self._on_side_stream():
+            self._zero_slot(slot)
+            for layer_module, shape in self._shape_of.items():
+                if layer_module not in targeted:
+                    continue
+                a_slot, b_slot = self._a[layer_module][slot], self._b[layer_module][slot]
+                layer, module = layer_module
+                copy = _copy if shape.num_experts is None else _copy_experts
+                lora_a = adapter.tensors[tensor_name(layer, module, "lora_A")]
+                lora_b = adapter.tensors[tensor_name(layer, module, "lora_B")]
+                for s in range(shape.stack):
+                    a_rows = a_slot[..., s * self.max_rank : s * self.max_rank + r, :]
+                    copy(a_rows, lora_a[..., s * r : (s + 1) * r, :])
+                copy(b_slot[..., :r], lora_b)
+            self.slot_rank[slot] = r
+            event = self._record()
+        self.slot_rank_host[slot] = r
+        return SlotLoad(slot, event)
+
+    def unload(self, slot: int) -> SlotLoad:
+        """Zero `slot` (all modules, rank 0), after the work queued so far."""
+        self._check_slot(slot)
+        with self._on_side_stream():
+            self._zero_slot(slot)
+            self.slot_rank[slot] = 0
+            event = self._record()
+        self.slot_rank_host[slot] = 0
+        return SlotLoad(slot, event)
+
+    def _zero_slot(self, slot: int) -> None:
+        for a_all, b_all in self._groups:
+            a_all[:, slot].zero_()
+            b_all[:, slot].zero_()
+
+    def _zeros(self, shape: tuple[int, ...]) -> Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} not in 0..{self.num_slots - 1}")
+
+    def _on_side_stream(self):
+        if self._stream is None:
+            return contextlib.nullcontext()
+        # Wait for queued forwards: they may still read the adapter this load replaces.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._stream)
+
+    def _record(self) -> torch.cuda.Event | None:
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+
+def _fits(shape: ModuleShape, lora_a: Tensor, lora_b: Tensor, r: int) -> bool:
+    # Expert modules: per-expert [E, ..] or the shared side of shared_outer [1, ..].
+    leading = {()} if shape.num_experts is None else {(1,), (shape.num_experts,)}
+    return (
+        tuple(lora_a.shape[:-2]) in leading
+        and tuple(lora_b.shape[:-2]) in leading
+        and tuple(lora_a.shape[-2:]) == (shape.stack * r, shape.in_features)
+        and tuple(lora_b.shape[-2:]) == (shape.out_features, r)
+    )
+
+
+def _copy(dst: Tensor, src: Tensor) -> None:
+    dst.copy_(src, non_blocking=True)
+
+
+def _copy_experts(dst: Tensor, src: Tensor) -> None:
+    """dst [E, ..] <- src [E or 1, ..], non-blocking; a shared part (leading 1) crosses the
+    host→device link once and is broadcast over the experts on the device."""
+    if src.shape[0] == 1 and dst.shape[0] > 1:
+        dst[:1].copy_(src, non_blocking=True)
+        dst[1:].copy_(dst[:1].expand_as(dst[1:]))
+        return
+    dst.copy_(src, non_blocking=True)

@@ -1,0 +1,211 @@
+"""LoRA slot pool: padded loads, broadcast of shared-outer parts, unload, sizing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from adapter_store.errors import FailedPrecondition
+from adapter_store.format import CanonicalAdapter, model_lora_shapes, tensor_name
+from inference_svc.lora import pool as pool_module
+from inference_svc.lora.pool import LoraPool, LoraPoolConfig, plan_num_slots, slot_bytes
+from tests.fixtures.random_adapters import random_adapter
+from tests.fixtures.tiny_models import tiny_config
+
+MAX_RANK = 16
+
+
+def _config(name: str = "v3_q_lora") -> dict:
+    return tiny_config(name).to_dict()
+
+
+def _pool(name: str = "v3_q_lora", slots: int = 3, dtype=torch.float32) -> LoraPool:
+    config = LoraPoolConfig(max_lora_rank=MAX_RANK, dtype=dtype, device="cpu", max_loras=slots)
+    return LoraPool.from_config(model_lora_shapes(_config(name)), config)
+
+
+def _assert_slot_holds(pool: LoraPool, slot: int, adapter: CanonicalAdapter) -> None:
+    """Every buffer of `slot` equals the adapter's tensors zero-padded to the pool's rank
+    (slice by slice, shared-outer parts repeated per expert); untargeted modules are zero."""
+    r, big_r = adapter.manifest.rank, pool.max_rank
+    targeted = set(adapter.manifest.modules)
+    for layer, module in pool.module_instances():
+        got_a = pool.lora_a(layer, module)[slot]
+        got_b = pool.lora_b(layer, module)[slot]
+        if (layer, module) not in targeted:
+            assert not got_a.any() and not got_b.any(), (layer, module)
+            continue
+        lora_a = adapter.tensors[tensor_name(layer, module, "lora_A")].to(pool.dtype)
+        lora_b = adapter.tensors[tensor_name(layer, module, "lora_B")].to(pool.dtype)
+        if module.startswith("moe."):
+            experts = got_a.shape[0]
+            lora_a = lora_a.expand(experts, *lora_a.shape[1:])
+            lora_b = lora_b.expand(experts, *lora_b.shape[1:])
+        stack = got_a.shape[-2] // big_r
+        want_a = torch.zeros_like(got_a).unflatten(-2, (stack, big_r))  # [.., stack, R, in]
+        want_a[..., :r, :] = lora_a.unflatten(-2, (stack, r))
+        want_b = torch.zeros_like(got_b)
+        want_b[..., :r] = lora_b
+        assert torch.equal(got_a, want_a.flatten(-3, -2)), (layer, module, "A")
+        assert torch.equal(got_b, want_b), (layer, module, "B")
+
+
+def _assert_slot_empty(pool: LoraPool, slot: int) -> None:
+    for layer, module in pool.module_instances():
+        assert not pool.lora_a(layer, module)[slot].any()
+        assert not pool.lora_b(layer, module)[slot].any()
+    assert pool.slot_rank[slot] == 0 and pool.slot_rank_host[slot] == 0
+
+
+def test_buffer_shapes_and_zero_init() -> None:
+    pool = _pool()
+    assert pool.lora_a(0, "attn.qkv_a").shape == (3, 2 * MAX_RANK, 64)
+    assert pool.lora_b(0, "attn.qkv_a").shape == (3, 48 + 32 + 8, MAX_RANK)
+    assert pool.lora_a(0, "mlp.gate_up").shape == (3, 2 * MAX_RANK, 64)
+    assert pool.lora_b(0, "mlp.gate_up").shape == (3, 2 * 96, MAX_RANK)  # dense layer
+    assert pool.lora_b(1, "mlp.gate_up").shape == (3, 2 * 32, MAX_RANK)  # shared expert
+    assert pool.lora_a(2, "moe.gate_up").shape == (3, 8, 2 * MAX_RANK, 64)
+    assert pool.lora_b(2, "moe.down").shape == (3, 8, 64, MAX_RANK)
+    assert pool.lora_a(1, "attn.kv_b").is_contiguous()
+    assert pool.slot_rank.dtype == torch.int32 and pool.slot_rank.shape == (3,)
+    for slot in range(3):
+        _assert_slot_empty(pool, slot)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
+@pytest.mark.parametrize("rank", [8, 1, MAX_RANK])
+def test_adapter_below_pool_rank_is_zero_padded(layout: str, rank: int) -> None:
+    pool = _pool()
+    adapter = random_adapter(_config(), rank, moe_layout=layout, seed=1)
+    load = pool.load(1, adapter)
+    assert load.event is None and load.done()
+    _assert_slot_holds(pool, 1, adapter)
+    assert pool.slot_rank.tolist() == [0, rank, 0] and pool.slot_rank_host == [0, rank, 0]
+    _assert_slot_empty(pool, 0)
+    _assert_slot_empty(pool, 2)
+
+
+def test_reload_zeroes_what_the_new_adapter_does_not_fill() -> None:
+    pool = _pool()
+    pool.load(0, random_adapter(_config(), MAX_RANK, seed=2))
+    small = random_adapter(_config(), 4, modules=["attn.q_b", "moe.down"], seed=3)
+    pool.load(0, small)
+    _assert_slot_holds(pool, 0, small)
+    assert pool.slot_rank_host[0] == 4
+
+
+def test_unload_zeroes_the_slot_only() -> None:
+    pool = _pool()
+    first, second = (random_adapter(_config(), 8, seed=s) for s in (4, 5))
+    pool.load(0, first)
+    pool.load(2, second)
+    assert pool.unload(0).done()
+    _assert_slot_empty(pool, 0)
+    _assert_slot_holds(pool, 2, second)
+
+
+def test_pool_dtype_conversion_on_load() -> None:
+    pool = _pool(dtype=torch.bfloat16)
+    adapter = random_adapter(_config(), 8, seed=6)
+    pool.load(2, adapter)
+    _assert_slot_holds(pool, 2, adapter)  # compares against the tensors cast to bf16
+
+
+def test_model_without_q_lora_rank() -> None:
+    pool = _pool("v3_no_q_lora")
+    modules = {module for _, module in pool.module_instances()}
+    assert "attn.q" in modules and "attn.q_b" not in modules
+    assert pool.lora_a(0, "attn.qkv_a").shape == (3, MAX_RANK, 64)  # kv_a alone
+    assert pool.lora_b(0, "attn.qkv_a").shape == (3, 32 + 8, MAX_RANK)
+    assert pool.lora_b(0, "attn.q").shape == (3, 4 * (16 + 8), MAX_RANK)
+    adapter = random_adapter(_config("v3_no_q_lora"), 5, seed=7)
+    pool.load(1, adapter)
+    _assert_slot_holds(pool, 1, adapter)
+
+
+def test_incompatible_adapters_are_refused_before_any_copy() -> None:
+    pool = _pool()
+    with pytest.raises(FailedPrecondition, match="rank 32 exceeds .* max_lora_rank 16"):
+        pool.load(0, random_adapter(_config(), 32))
+    with pytest.raises(FailedPrecondition, match="attn.q, which the base model lacks"):
+        pool.load(0, random_adapter(_config("v3_no_q_lora"), 4, modules=["attn.q"]))
+    with pytest.raises(FailedPrecondition, match="do not fit the base model"):
+        pool.load(0, random_adapter(_config("v3_wide"), 4, modules=["attn.o"]))
+    _assert_slot_empty(pool, 0)
+    with pytest.raises(IndexError):
+        pool.load(3, random_adapter(_config(), 4))
+
+
+def _tiny_slot_elements(r: int) -> int:
+    """Elements of one slot of the v3_q_lora tiny model, written out from its config:
+    hidden 64, 4 heads, q_lora 48, kv_lora 32, rope 8, nope 16, v 16, dense inter 96,
+    moe inter 32 (1 shared expert), 8 experts, 3 layers of which layer 0 is dense."""
+    attention = (2 * r * 64 + (48 + 40) * r) + (r * 48 + 96 * r) + (r * 32 + 128 * r)
+    attention += r * 64 + 64 * r
+    dense_mlp = (2 * r * 64 + 192 * r) + (r * 96 + 64 * r)
+    shared_mlp = (2 * r * 64 + 64 * r) + (r * 32 + 64 * r)
+    experts = 8 * ((2 * r * 64 + 64 * r) + (r * 32 + 64 * r))
+    return 3 * attention + dense_mlp + 2 * (shared_mlp + experts)
+
+
+def test_slot_bytes_matches_config_arithmetic() -> None:
+    shapes = model_lora_shapes(_config())
+    assert slot_bytes(shapes, 16, torch.float32) == 4 * _tiny_slot_elements(16)
+    assert slot_bytes(shapes, 64, torch.bfloat16) == 2 * _tiny_slot_elements(64)
+
+
+def test_sizing_from_memory_budget(caplog, monkeypatch) -> None:
+    shapes = model_lora_shapes(_config())
+    per_slot = 2 * _tiny_slot_elements(MAX_RANK)
+    budget_gb = 3.5 * per_slot / (1 << 30)
+    config = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", lora_memory_gb=budget_gb)
+    with caplog.at_level(logging.INFO, logger=pool_module.__name__):
+        assert plan_num_slots(config, shapes) == 3
+    assert "LoRA pool: 3 slots of rank 16 (bfloat16" in caplog.text
+    capped = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", max_loras=2, lora_memory_gb=budget_gb)
+    assert plan_num_slots(capped, shapes) == 2
+
+    monkeypatch.setattr(pool_module, "free_memory_bytes", lambda device: 10 * per_slot)
+    half = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", lora_memory_fraction=0.5)
+    assert plan_num_slots(half, shapes) == 5
+    tiny_budget = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", lora_memory_fraction=0.05)
+    with pytest.raises(ValueError, match="holds no slot of rank 16"):
+        plan_num_slots(tiny_budget, shapes)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_lora_rank": 0, "max_loras": 1},
+        {"max_lora_rank": 8},
+        {"max_lora_rank": 8, "lora_memory_gb": 1.0, "lora_memory_fraction": 0.5},
+        {"max_lora_rank": 8, "lora_memory_fraction": 1.5},
+        {"max_lora_rank": 8, "max_loras": 1, "dtype": torch.int8},
+    ],
+)
+def test_config_validation(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        LoraPoolConfig(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
+def test_cuda_load_on_side_stream(layout: str) -> None:
+    config = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cuda", max_loras=4)
+    pool = LoraPool.from_config(model_lora_shapes(_config()), config)
+    adapter = random_adapter(_config(), 8, moe_layout=layout, dtype=torch.bfloat16, seed=8)
+    adapter.tensors = {name: t.pin_memory() for name, t in adapter.tensors.items()}
+    load = pool.load(3, adapter)
+    assert load.event is not None
+    load.wait_on()
+    torch.cuda.current_stream().synchronize()
+    assert load.done()
+    host = LoraPool(pool.shapes, 4, LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", max_loras=4))
+    for layer, module in pool.module_instances():
+        host.lora_a(layer, module).copy_(pool.lora_a(layer, module))
+        host.lora_b(layer, module).copy_(pool.lora_b(layer, module))
+    _assert_slot_holds(host, 3, adapter)
+    assert pool.slot_rank.tolist() == [0, 0, 0, 8]
