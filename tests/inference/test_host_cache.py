@@ -3,7 +3,6 @@ whole chain S3 → host cache → GPU slot pool on the CPU."""
 
 from __future__ import annotations
 
-import boto3
 import pytest
 import torch
 
@@ -18,6 +17,8 @@ from inference_svc.adapters.s3_fetch import S3AdapterFetcher, S3FetchConfig, ada
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from tests.fixtures.random_adapters import random_adapter
 from tests.fixtures.tiny_models import tiny_config
+
+boto3 = pytest.importorskip("boto3")  # absent on the GPU machine
 
 CONFIG = tiny_config("v3_q_lora").to_dict()
 

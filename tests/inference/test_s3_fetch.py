@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import boto3
 import pytest
 import torch
 
@@ -14,6 +13,8 @@ from inference_svc.adapters.s3_fetch import S3AdapterFetcher, S3FetchConfig, ada
 from tests.fixtures.random_adapters import random_adapter
 from tests.fixtures.servers import free_port
 from tests.fixtures.tiny_models import tiny_config
+
+boto3 = pytest.importorskip("boto3")  # absent on the GPU machine
 
 TENANT, NAME, VERSION = "acme", "support-bot", 3
 
