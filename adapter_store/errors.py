@@ -50,3 +50,9 @@ class PermissionDenied(LoraserveError):
 
 class Unimplemented(LoraserveError):
     code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class DataLoss(LoraserveError):
+    """Bytes that do not match their checksum (a corrupt or truncated transfer)."""
+
+    code = grpc.StatusCode.DATA_LOSS

@@ -2,45 +2,160 @@
 
 from __future__ import annotations
 
-from adapter_store.errors import Unimplemented
+from collections.abc import AsyncIterator
+
+from adapter_store.auth import Authenticator, Principal
+from adapter_store.errors import InvalidArgument, LoraserveError
+from adapter_store.format import CANONICAL_MODULES
+from adapter_store.metrics import StoreMetrics
+from adapter_store.records import AdapterRecord, BaseModelRecord
 from adapter_store.rpc.handlers import rpc_method
+from adapter_store.service import AdapterQuery, AdapterStoreService
+from adapter_store.upload import FilePiece, UploadSpec, collect_files
+from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc
 
 SERVICE_NAME = "loraserve.v1.AdapterStore"
 
 
+def base_model_to_proto(record: BaseModelRecord) -> pb.BaseModel:
+    return pb.BaseModel(
+        name=record.name,
+        config_json=record.config_json,
+        architecture=record.architecture,
+        lora_modules=record.lora_modules,
+        created_at=record.created_at,
+        config_sha256=record.config_sha256,
+    )
+
+
+def _layer_order(module_key: str) -> tuple[int, int]:
+    """ "layers.L.module" sorts by layer, then by canonical module order."""
+    _, layer, module = module_key.split(".", 2)
+    return int(layer), CANONICAL_MODULES.index(module)
+
+
+def adapter_to_proto(record: AdapterRecord) -> pb.Adapter:
+    return pb.Adapter(
+        name=record.name,
+        version=record.version,
+        base_model=record.base_model,
+        rank=record.rank,
+        target_modules=record.target_modules,
+        sha256=record.sha256,
+        size_bytes=record.size_bytes,
+        created_at=record.created_at,
+        description=record.description,
+        labels=record.labels,
+        tenant=record.tenant,
+        dtype=record.dtype,
+        moe_layout=record.moe_layout,
+        module_ranks=[
+            pb.ModuleRank(module=key, rank=record.module_ranks[key])
+            for key in sorted(record.module_ranks, key=_layer_order)
+        ],
+        storage_prefix=record.storage_prefix,
+        format_version=record.format_version,
+    )
+
+
 class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
-    """Every RPC of the contract; those not built yet answer UNIMPLEMENTED."""
+    def __init__(
+        self, service: AdapterStoreService, auth: Authenticator, metrics: StoreMetrics
+    ) -> None:
+        self._service = service
+        self._auth = auth
+        self._metrics = metrics
+
+    def _caller(self, context) -> Principal:
+        return self._auth.principal(context.invocation_metadata())
 
     @rpc_method
     async def RegisterBaseModel(self, request, context):  # noqa: N802 - gRPC name
-        raise Unimplemented("RegisterBaseModel is not implemented yet")
+        record = await self._service.register_base_model(
+            self._caller(context), request.name, request.config_json
+        )
+        return base_model_to_proto(record)
 
     @rpc_method
     async def GetBaseModel(self, request, context):  # noqa: N802
-        raise Unimplemented("GetBaseModel is not implemented yet")
+        return base_model_to_proto(
+            await self._service.get_base_model(self._caller(context), request.name)
+        )
 
     @rpc_method
     async def ListBaseModels(self, request, context):  # noqa: N802
-        raise Unimplemented("ListBaseModels is not implemented yet")
+        records = await self._service.list_base_models(self._caller(context))
+        return pb.ListBaseModelsResponse(base_models=[base_model_to_proto(r) for r in records])
 
     @rpc_method
     async def UploadAdapter(self, request_iterator, context):  # noqa: N802
-        raise Unimplemented("UploadAdapter is not implemented yet")
+        try:
+            principal = self._caller(context)
+            first = await anext(aiter(request_iterator), None)
+            if first is None or first.WhichOneof("item") != "header":
+                raise InvalidArgument("an upload must start with its header message")
+            header = first.header
+            spec = UploadSpec(
+                name=header.name,
+                base_model=header.base_model,
+                description=header.description,
+                labels=dict(header.labels),
+                dtype=header.dtype,
+            )
+            files = await collect_files(self._pieces(request_iterator), self._service.config.limits)
+            record = await self._service.upload(principal, spec, files)
+        except LoraserveError as error:
+            self._metrics.upload_failures.labels(error.code.name.lower()).inc()
+            raise
+        self._metrics.uploads.inc()
+        self._metrics.stored_bytes.inc(record.size_bytes)
+        return adapter_to_proto(record)
+
+    async def _pieces(self, request_iterator) -> AsyncIterator[FilePiece]:
+        async for request in request_iterator:
+            if request.WhichOneof("item") != "chunk":
+                raise InvalidArgument("only file chunks may follow the upload header")
+            self._metrics.upload_bytes.inc(len(request.chunk.data))
+            yield FilePiece(request.chunk.filename, request.chunk.data)
 
     @rpc_method
     async def GetAdapter(self, request, context):  # noqa: N802
-        raise Unimplemented("GetAdapter is not implemented yet")
+        return adapter_to_proto(await self._service.get_adapter(self._caller(context), request.ref))
 
     @rpc_method
     async def ListAdapters(self, request, context):  # noqa: N802
-        raise Unimplemented("ListAdapters is not implemented yet")
+        query = AdapterQuery(
+            page_size=request.page_size,
+            page_token=request.page_token,
+            base_model=request.base_model,
+            labels=dict(request.label),
+            all_versions=request.all_versions,
+        )
+        page = await self._service.list_adapters(self._caller(context), query)
+        return pb.ListAdaptersResponse(
+            adapters=[adapter_to_proto(r) for r in page.adapters],
+            next_page_token=page.next_page_token,
+        )
 
     @rpc_method
     async def DeleteAdapter(self, request, context):  # noqa: N802
-        raise Unimplemented("DeleteAdapter is not implemented yet")
+        versions = await self._service.delete_adapter(self._caller(context), request.ref)
+        return pb.DeleteAdapterResponse(versions=versions)
 
     @rpc_method
     async def FetchAdapter(self, request, context):  # noqa: N802
-        raise Unimplemented("FetchAdapter is not implemented yet")
-        yield  # makes this a server-streaming handler
+        download = await self._service.download(
+            self._caller(context), request.ref, request.chunk_size
+        )
+        total = download.record.size_bytes
+        yield pb.AdapterChunk(
+            adapter=adapter_to_proto(download.record),
+            manifest_json=download.manifest_json,
+            total_size=total,
+        )
+        offset = 0
+        async for data in download.chunks:
+            yield pb.AdapterChunk(data=data, offset=offset, total_size=total)
+            offset += len(data)
+            self._metrics.fetch_bytes.inc(len(data))

@@ -47,7 +47,7 @@ class ListBaseModelsResponse(_message.Message):
     def __init__(self, base_models: _Optional[_Iterable[_Union[BaseModel, _Mapping]]] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
-    __slots__ = ("name", "base_model", "description", "labels")
+    __slots__ = ("name", "base_model", "description", "labels", "dtype")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,11 +59,13 @@ class UploadHeader(_message.Message):
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     base_model: str
     description: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., description: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., description: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("filename", "data")
