@@ -6,7 +6,8 @@ attn.qkv_a has its two unequal slices and attn.q_b exists), `--layers` decoder l
 per-layer ratio, `--layers 27` gives the full model). Adapters cover every canonical module
 and are written straight into the slot pool with random values (the load path is not what
 is timed). Decode steps are CUDA-graph replays through `ModelRunner.execute` at batch
-1 / 64 / 256, each sequence with `--context` cached tokens; the median of CUDA-event times.
+1 / 64 / 256, each sequence with `--context` cached tokens, timed like bench.model_decode
+(`bench.gpu_timing.time_ms`: warm-up, L2 flush, median).
 
 Also the MoE LoRA cost on its own: one MoE layer at batch 64, 8 adapters, as
 (t_with_lora − t_base) ÷ t_base, both as CUDA-graph replays.
@@ -21,8 +22,8 @@ cost ≤ 0.25.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -32,12 +33,13 @@ from typing import Any
 import torch
 
 from adapter_store.format import model_lora_shapes
+from bench.gpu_timing import device_name, time_ms
+from bench.model_decode import SMOKE_OVERRIDES, V2_LITE_Q_LORA, random_model
 from inference_svc.engine.batch import BatchMetadata, SequenceStep, build_batch
 from inference_svc.engine.kv_pages import pages_for
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.model.config import parse_config
-from inference_svc.model.loader import build_model
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
 from kernels.lora_segments import build_lora_segments
 
@@ -49,47 +51,9 @@ PAGE_SIZE = 16
 GOAL_OVERHEAD, GOAL_MOE_RATIO = 0.15, 0.25
 
 
-def v2_lite_config(layers: int) -> dict[str, Any]:
-    """DeepSeek-V2-Lite's config.json with q_lora_rank 1536 and `layers` decoder layers."""
-    return {
-        "model_type": "deepseek_v2",
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "vocab_size": 102400,
-        "hidden_size": 2048,
-        "intermediate_size": 10944,
-        "moe_intermediate_size": 1408,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "n_shared_experts": 2,
-        "n_routed_experts": 64,
-        "num_experts_per_tok": 6,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
-        "topk_method": "greedy",
-        "norm_topk_prob": False,
-        "routed_scaling_factor": 1.0,
-        "kv_lora_rank": 512,
-        "q_lora_rank": 1536,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }
-
-
-def tiny_config() -> dict[str, Any]:
-    """The same family at CPU-smoke sizes."""
-    small = {
-        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
-        "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "n_routed_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 32, "q_lora_rank": 48,
-        "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
-    }  # fmt: skip
-    return {**v2_lite_config(2), **small}
+def v2_lite_config(layers: int, smoke: bool = False) -> dict[str, Any]:
+    """V2-Lite's shape with q_lora_rank 1536 (as bench.model_decode) and `layers` layers."""
+    return {**V2_LITE_Q_LORA, **(SMOKE_OVERRIDES if smoke else {}), "num_hidden_layers": layers}
 
 
 @dataclass
@@ -101,21 +65,6 @@ class Setup:
     @property
     def model(self) -> DeepseekV3Model:
         return self.runner.model
-
-
-def random_model(hf_config: dict[str, Any], device: str, dtype: torch.dtype) -> DeepseekV3Model:
-    """The model with random weights (std 0.02; norms 1), never a checkpoint."""
-    model = build_model(parse_config(hf_config), device, dtype)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            elif "e_score_correction_bias" in name:
-                param.zero_()
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
-    return model
 
 
 def fill_pool(pool: LoraPool, num_adapters: int) -> None:
@@ -133,7 +82,7 @@ def make_setup(
     hf_config: dict[str, Any], device: str, context: int, batches: tuple[int, ...], graphs: bool
 ) -> Setup:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = random_model(hf_config, device, dtype)
+    model = random_model(parse_config(hf_config), torch.device(device), dtype)
     shapes = model_lora_shapes(hf_config)
     pool_config = LoraPoolConfig(RANK, dtype=dtype, device=device, max_loras=NUM_ADAPTERS)
     pool = LoraPool(shapes, NUM_ADAPTERS, pool_config)
@@ -167,22 +116,6 @@ def decode_batch(setup: Setup, size: int, adapters: int) -> tuple[torch.Tensor, 
     return input_ids, batch
 
 
-def median_us(fn: Callable[[], Any], reps: int = 30) -> float:
-    """Median CUDA-event time of `fn` in µs, after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     """`fn` captured once as a CUDA graph (after a warm-up that compiles its kernels)."""
     fn()
@@ -212,7 +145,8 @@ def measure_steps(setup: Setup, batches: tuple[int, ...]) -> list[StepRow]:
         times = []
         for count in (0, adapters):
             input_ids, batch = decode_batch(setup, size, count)
-            times.append(median_us(lambda ids=input_ids, b=batch: setup.runner.execute(ids, b)))
+            step = functools.partial(setup.runner.execute, input_ids, batch)
+            times.append(1e3 * time_ms(step, setup.runner.device))
         rows.append(StepRow(size, adapters, *times))
         print(
             f"decode B={size:<4} adapters={adapters:<3} base {times[0]:9.1f} µs  "
@@ -228,12 +162,15 @@ def measure_moe(setup: Setup) -> dict[str, float]:
     x = torch.randn(MOE_BATCH, hidden, device="cuda", dtype=setup.model.dtype)
     slots = [b * MOE_ADAPTERS // MOE_BATCH for b in range(MOE_BATCH)]
     segs = build_lora_segments(slots, setup.runner.lora_pool.slot_rank, device="cuda")
+    device = torch.device("cuda")
     with torch.inference_mode():
-        base = median_us(graphed(lambda: moe(x)))
-        with_lora = median_us(graphed(lambda: moe(x, segs)))
+        base = 1e3 * time_ms(graphed(lambda: moe(x)), device)
+        with_lora = 1e3 * time_ms(graphed(lambda: moe(x, segs)), device)
     ratio = (with_lora - base) / base
-    print(f"MoE B={MOE_BATCH} adapters={MOE_ADAPTERS}: base {base:.1f} µs, with LoRA ")
-    print(f"{with_lora:.1f} µs → LoRA cost ÷ base {ratio:.3f} (goal ≤ {GOAL_MOE_RATIO})")
+    print(
+        f"MoE B={MOE_BATCH} adapters={MOE_ADAPTERS}: base {base:.1f} µs, with LoRA "
+        f"{with_lora:.1f} µs → LoRA cost ÷ base {ratio:.3f} (goal ≤ {GOAL_MOE_RATIO})"
+    )
     return {"batch": MOE_BATCH, "adapters": MOE_ADAPTERS, "base_us": base,
             "lora_us": with_lora, "ratio": ratio}  # fmt: skip
 
@@ -270,7 +207,7 @@ def run(out: Path, layers: int, context: int) -> None:
     print(f"setup + graph capture: {time.perf_counter() - start:.0f} s")
     rows = measure_steps(setup, BATCHES)
     results = {
-        "device": torch.cuda.get_device_name(),
+        "device": device_name(torch.device("cuda")),
         "model": "DeepSeek-V2-Lite shape, q_lora_rank 1536, random bf16 weights",
         "layers": layers,
         "context": context,
@@ -288,13 +225,14 @@ def run(out: Path, layers: int, context: int) -> None:
 
 def smoke() -> None:
     """CPU: build the same setup at tiny sizes and run one eager step of each batch kind."""
-    setup = make_setup(tiny_config(), "cpu", context=20, batches=(1, 8), graphs=False)
+    setup = make_setup(v2_lite_config(2, smoke=True), "cpu", 20, batches=(1, 8), graphs=False)
     for size in (1, 8):
         for adapters in (0, min(size, setup.num_slots)):
             input_ids, batch = decode_batch(setup, size, adapters)
             assert (batch.lora is None) == (adapters == 0)
             logits = setup.runner.execute(input_ids, batch)
-            assert logits.shape == (size, 256) and torch.isfinite(logits).all()
+            vocab = setup.model.config.vocab_size
+            assert logits.shape == (size, vocab) and torch.isfinite(logits).all()
     print("smoke ok")
 
 
