@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fixtures.random_adapters import random_adapter
 from tests.fixtures.tiny_models import build_tiny_model, tiny_config
-from tests.inference.random_adapters import random_adapter
 from tests.lora.harness import (
     TOL,
     Scenario,
