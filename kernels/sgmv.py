@@ -237,6 +237,7 @@ def _expand_item(
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    COLS_ALIGNED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """out[seg's tokens, column block pid_n] += y · B[slot]ᵀ over the block's slice."""
@@ -248,6 +249,10 @@ def _expand_item(
         slice_idx = in_s1.to(tl.int32) + in_s2.to(tl.int32)
         col_lo = tl.where(in_s2, slice2_col, tl.where(in_s1, slice1_col, 0))
         col_hi = tl.where(in_s2, N, tl.minimum(tl.where(in_s1, slice2_col, slice1_col), N))
+        if COLS_ALIGNED:
+            # Lets the out tile load/store as 16-byte vectors (scalar 2-byte ones otherwise).
+            col_lo = tl.multiple_of(col_lo, 8)
+            col_hi = tl.multiple_of(col_hi, 8)
         block_lo = tl.where(in_s2, slice2_block, tl.where(in_s1, slice1_block, 0))
 
         offs_t = t_start + tl.arange(0, BLOCK_T)
@@ -304,6 +309,7 @@ def _sgmv_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PLANNED: tl.constexpr,
+    COLS_ALIGNED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """v1: one program per (segment, column block) of the grid. planned: a fixed grid walks
@@ -338,6 +344,7 @@ def _sgmv_expand_kernel(
             BLOCK_T,
             BLOCK_N,
             BLOCK_R,
+            COLS_ALIGNED,
             DOT_PRECISION,
         )
 
@@ -545,7 +552,8 @@ def sgmv_expand(
         n_blocks, pool_rank, out_total, *slice_cols[:2], *slice_blocks[:2],
         *y.stride(), *B.stride(), *out.stride(),
         BLOCK_T=segs.max_seg_len, BLOCK_N=block_n, BLOCK_R=rank_block(pool_rank),
-        PLANNED=plan.planned, DOT_PRECISION=dot_precision(B.dtype),
+        PLANNED=plan.planned, COLS_ALIGNED=plan.planned and all(o % 8 == 0 for o in slice_offsets),
+        DOT_PRECISION=dot_precision(B.dtype),
     )  # fmt: skip
     return out
 

@@ -1,6 +1,7 @@
 """Compile a Triton kernel for sm_90 without a GPU; dump PTX/cubin + a SASS summary.
 usage: compile.py module kernel '{sig}' '{constexprs}' '[div16 args]' '{options}'"""
-import sys, json, importlib, subprocess, glob, collections, re
+import sys, json, importlib, subprocess, glob, collections, re, os
+sys.path.insert(0, os.getcwd())
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
