@@ -32,6 +32,7 @@ import torch
 
 from kernels.lora_segments import LoraSegments, build_lora_segments
 from kernels.mla_lora import (
+    MLA_VARIANTS,
     mla_kv_b_lora_o,
     mla_kv_b_lora_o_ref,
     mla_kv_b_lora_q,
@@ -202,7 +203,12 @@ def setup_mla(
 
         return Setup(
             {
-                "triton:v1": lambda: mla_kv_b_lora_q(small, lat, A, B, segs),
+                **{
+                    f"triton:{v}": functools.partial(
+                        mla_kv_b_lora_q, small, lat, A, B, segs, variant=v
+                    )
+                    for v in MLA_VARIANTS
+                },
                 "torch": lambda: mla_kv_b_lora_q_ref(small, lat, A, B, segs),
                 "naive": naive_q,
             },
@@ -216,7 +222,10 @@ def setup_mla(
 
     return Setup(
         {
-            "triton:v1": lambda: mla_kv_b_lora_o(lat, small, A, B, segs),
+            **{
+                f"triton:{v}": functools.partial(mla_kv_b_lora_o, lat, small, A, B, segs, variant=v)
+                for v in MLA_VARIANTS
+            },
             "torch": lambda: mla_kv_b_lora_o_ref(lat, small, A, B, segs),
             "naive": naive_o,
         },

@@ -187,11 +187,12 @@ def test_launchers_reject_mismatched_shapes() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize(
     "num_tokens,in_dim,pool_rank", [(1, 7168, 16), (64, 7168, 64), (300, 2048, 16)]
 )
-def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank) -> None:  # type: ignore[no-untyped-def]
+def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank, variants) -> None:  # type: ignore[no-untyped-def]
     slices = [0, 1536, 1536 + 576]
     segs, x, A, B, out = _lora_case(
         popularity, num_tokens, in_dim, slices, pool_rank, torch.bfloat16, 7
@@ -200,15 +201,21 @@ def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank) -> None:  # ty
         segs.token_slot[: segs.num_tokens].tolist(), segs.slot_rank, device="cuda"
     )
     x, A, B, out = (t.cuda() for t in (x, A, B, out))
-    y = sgmv_shrink(x, A, segs, 2)
+    shrink_v, expand_v = variants
+    y = sgmv_shrink(x, A, segs, 2, variant=shrink_v)
     y_ref = sgmv_shrink_ref(x.float(), A.float(), segs, 2)
     assert_close(y, y_ref, torch.bfloat16)
     expected = sgmv_expand_ref(y_ref, B.float(), out.float(), segs, slices)
-    assert_close(sgmv_expand(y, B, out, segs, slices), expected, torch.bfloat16)
+    got = sgmv_expand(y, B, out, segs, slices, variant=expand_v)
+    assert_close(got, expected, torch.bfloat16)
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_with_more_segments_than_at_capture() -> None:
+@pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
+@pytest.mark.parametrize("capture_slots", ["one", "many"])
+def test_cuda_graph_replay_with_other_segments_than_at_capture(variants, capture_slots) -> None:  # type: ignore[no-untyped-def]
+    """Captured with one segment and replayed with many (the planned split must grow
+    shorter), and captured with many and replayed with one (it must grow longer)."""
     gen = torch.Generator().manual_seed(8)
     num_slots, pool_rank, hidden, max_tokens = 8, 16, 1024, 64
     ranks = mixed_ranks(num_slots, pool_rank, gen)
@@ -218,20 +225,25 @@ def test_cuda_graph_replay_with_more_segments_than_at_capture() -> None:
     x = torch.randn(max_tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
     out = torch.zeros(max_tokens, hidden, device="cuda", dtype=torch.bfloat16)
 
+    shrink_v, expand_v = variants
+
     def step() -> None:
         out.zero_()
-        sgmv_expand(sgmv_shrink(x, A, segs), B, out, segs, [0, hidden])
+        y = sgmv_shrink(x, A, segs, variant=shrink_v)
+        sgmv_expand(y, B, out, segs, [0, hidden], variant=expand_v)
 
-    build_lora_segments([0] * max_tokens, ranks, out=segs)  # capture with one segment
+    many = sorted(popular_slots("distinct", max_tokens, num_slots, gen))
+    one = [1] * max_tokens
+    capture, replay = (one, many) if capture_slots == "one" else (many, one)
+    captured_segments = build_lora_segments(capture, ranks, out=segs).num_live_segments
     for _ in range(2):  # compile outside the capture
         step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    replay_slots = sorted(popular_slots("distinct", max_tokens, num_slots, gen))
-    build_lora_segments(replay_slots, ranks, out=segs)
-    assert segs.num_live_segments > 1
+    build_lora_segments(replay, ranks, out=segs)
+    assert segs.num_live_segments != captured_segments
     graph.replay()
     torch.cuda.synchronize()
     expected = sgmv_expand_ref(
