@@ -34,8 +34,11 @@ lint: setup
 test: setup
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
+# Only the folders with GPU tests: the GPU image lacks redis/boto3, which the service tests import.
+GPU_TEST_DIRS := $(wildcard tests/kernels tests/model tests/inference tests/lora tests/e2e_gpu)
+
 gpu-test:
-	$(GPU_PY) -m pytest -m gpu -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(GPU_PY) -m pytest -m gpu -p no:cacheprovider $(PYTEST_ARGS) $(GPU_TEST_DIRS)
 
 bench:
 	bash bench/run_all.sh

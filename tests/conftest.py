@@ -1,18 +1,19 @@
-"""Session-wide fixtures: real Redis + SeaweedFS servers, tiny HF models on disk."""
+"""Session-wide setup: Triton interpreter without CUDA, real Redis + SeaweedFS servers, tiny
+HF models on disk."""
 
 from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 from tests.fixtures.triton_interpret import use_interpreter_without_cuda
 
 # Must run before anything imports triton (see tests/fixtures/triton_interpret.py).
 use_interpreter_without_cuda()
-
-import os  # noqa: E402
-import uuid  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
 
 from tests.fixtures.servers import RedisServer, SeaweedS3Server  # noqa: E402
 from tests.fixtures.tiny_models import TINY_SPECS, save_tiny_model  # noqa: E402

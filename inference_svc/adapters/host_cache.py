@@ -101,8 +101,11 @@ class HostAdapterCache:
         size = adapter_bytes(stored)
         with self._lock:
             existing = self._entries.get(key)
-            if existing is not None and not existing.drop_when_released:
-                existing.in_use += 1  # another fetch of the same version won the race
+            if existing is not None:
+                # Another fetch of the same (immutable) version won the race, or the entry
+                # was discarded while in use: keep the one already here.
+                existing.in_use += 1
+                existing.drop_when_released = False
                 self._entries.move_to_end(key)
                 return existing.adapter
             self._make_room(key, size)

@@ -140,8 +140,8 @@ class LoraSlotAllocator:
         evicted = None
         needs_load = slot is None
         if slot is None:
-            self._misses += 1
             slot, evicted = self._take_slot()
+            self._misses += 1
             self._slots[slot] = _Slot(key, next(self._ids))
             self._loads += 1
         else:

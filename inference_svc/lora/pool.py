@@ -165,7 +165,7 @@ class SlotLoad:
     def wait_on(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream` (default: the current one) wait for the copy, without a host sync."""
         if self.event is not None:
-            (stream or torch.cuda.current_stream(self.event.device)).wait_event(self.event)
+            self.event.wait(stream)
 
 
 class LoraPool:
@@ -263,12 +263,13 @@ class LoraPool:
                     continue
                 a_slot, b_slot = self._a[layer_module][slot], self._b[layer_module][slot]
                 layer, module = layer_module
+                copy = _copy if shape.num_experts is None else _copy_experts
                 lora_a = adapter.tensors[tensor_name(layer, module, "lora_A")]
                 lora_b = adapter.tensors[tensor_name(layer, module, "lora_B")]
                 for s in range(shape.stack):
                     a_rows = a_slot[..., s * self.max_rank : s * self.max_rank + r, :]
-                    _copy_broadcast(a_rows, lora_a[..., s * r : (s + 1) * r, :])
-                _copy_broadcast(b_slot[..., :r], lora_b)
+                    copy(a_rows, lora_a[..., s * r : (s + 1) * r, :])
+                copy(b_slot[..., :r], lora_b)
             self.slot_rank[slot] = r
             event = self._record()
         self.slot_rank_host[slot] = r
@@ -322,10 +323,14 @@ def _fits(shape: ModuleShape, lora_a: Tensor, lora_b: Tensor, r: int) -> bool:
     )
 
 
-def _copy_broadcast(dst: Tensor, src: Tensor) -> None:
-    """dst <- src, non-blocking; a leading expert dim of 1 in `src` crosses the host→device
-    link once and is broadcast over the experts on the device."""
-    if src.dim() == dst.dim() and src.shape[0] == 1 and dst.shape[0] > 1:
+def _copy(dst: Tensor, src: Tensor) -> None:
+    dst.copy_(src, non_blocking=True)
+
+
+def _copy_experts(dst: Tensor, src: Tensor) -> None:
+    """dst [E, ..] <- src [E or 1, ..], non-blocking; a shared part (leading 1) crosses the
+    host→device link once and is broadcast over the experts on the device."""
+    if src.shape[0] == 1 and dst.shape[0] > 1:
         dst[:1].copy_(src, non_blocking=True)
         dst[1:].copy_(dst[:1].expand_as(dst[1:]))
         return

@@ -11,8 +11,8 @@ from adapter_store.errors import FailedPrecondition
 from adapter_store.format import CanonicalAdapter, model_lora_shapes, tensor_name
 from inference_svc.lora import pool as pool_module
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig, plan_num_slots, slot_bytes
+from tests.fixtures.random_adapters import random_adapter
 from tests.fixtures.tiny_models import tiny_config
-from tests.inference.random_adapters import random_adapter
 
 MAX_RANK = 16
 
@@ -75,13 +75,14 @@ def test_buffer_shapes_and_zero_init() -> None:
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
-def test_rank8_adapter_in_rank16_pool_is_zero_padded(layout: str) -> None:
+@pytest.mark.parametrize("rank", [8, 1, MAX_RANK])
+def test_adapter_below_pool_rank_is_zero_padded(layout: str, rank: int) -> None:
     pool = _pool()
-    adapter = random_adapter(_config(), 8, moe_layout=layout, seed=1)
+    adapter = random_adapter(_config(), rank, moe_layout=layout, seed=1)
     load = pool.load(1, adapter)
     assert load.event is None and load.done()
     _assert_slot_holds(pool, 1, adapter)
-    assert pool.slot_rank.tolist() == [0, 8, 0] and pool.slot_rank_host == [0, 8, 0]
+    assert pool.slot_rank.tolist() == [0, rank, 0] and pool.slot_rank_host == [0, rank, 0]
     _assert_slot_empty(pool, 0)
     _assert_slot_empty(pool, 2)
 

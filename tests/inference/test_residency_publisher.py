@@ -6,8 +6,6 @@ import asyncio
 import json
 
 import pytest
-import redis.asyncio as aioredis
-import redis.exceptions
 
 from inference_svc.adapters.residency_publisher import (
     ResidencyEntry,
@@ -18,6 +16,9 @@ from inference_svc.adapters.residency_publisher import (
     residency_hash,
 )
 from tests.fixtures.servers import free_port
+
+aioredis = pytest.importorskip("redis.asyncio")  # absent on the GPU machine
+redis_exceptions = pytest.importorskip("redis.exceptions")
 
 
 async def _wait_for(condition, timeout: float = 3.0) -> None:
@@ -97,7 +98,7 @@ def test_redis_down_does_not_stop_the_publisher(caplog) -> None:
 
     async def scenario() -> None:
         publisher = ResidencyPublisher(config, lambda: [])
-        with pytest.raises(redis.exceptions.ConnectionError):
+        with pytest.raises(redis_exceptions.ConnectionError):
             await publisher.publish_once()
         publisher.start()
         await asyncio.sleep(0.3)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import asyncio
 
-import boto3
 import pytest
 import torch
 
 from adapter_store.errors import FailedPrecondition, NotFound, Unavailable
 from adapter_store.format import serialize
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher, S3FetchConfig, adapter_prefix
+from tests.fixtures.random_adapters import random_adapter
 from tests.fixtures.servers import free_port
 from tests.fixtures.tiny_models import tiny_config
-from tests.inference.random_adapters import random_adapter
+
+boto3 = pytest.importorskip("boto3")  # absent on the GPU machine
 
 TENANT, NAME, VERSION = "acme", "support-bot", 3
 

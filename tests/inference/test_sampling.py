@@ -64,22 +64,26 @@ def test_top_k_then_top_p() -> None:
     assert freq[2:].sum() == 0 and freq[:2].sum() == 1
 
 
-def test_same_seed_same_tokens_regardless_of_batch() -> None:
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
+def test_same_seed_same_tokens_regardless_of_batch(device: str) -> None:
     """A seeded request draws the same tokens alone and in two different batches."""
     gen = torch.Generator().manual_seed(1)
     vocab, steps = 40, 12
-    step_logits = [torch.randn(vocab, generator=gen) for _ in range(steps)]
+    step_logits = [torch.randn(vocab, generator=gen).to(device) for _ in range(steps)]
     mine = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=1234)
     others = [SamplingParams(), SamplingParams(temperature=1.3, seed=7), SamplingParams(1.0)]
 
     def run(
         mine: SamplingParams, batch_position: int, neighbours: list[SamplingParams]
     ) -> list[int]:
-        generators = [make_generator(p.seed) for p in neighbours]
-        my_generator = make_generator(mine.seed)
+        generators = [make_generator(p.seed, device) for p in neighbours]
+        my_generator = make_generator(mine.seed, device)
         tokens = []
         for logits in step_logits:
-            rows = [torch.randn(vocab, generator=gen) for _ in neighbours]
+            rows = [torch.randn(vocab, generator=gen).to(device) for _ in neighbours]
             rows.insert(batch_position, logits)
             params = list(neighbours)
             params.insert(batch_position, mine)

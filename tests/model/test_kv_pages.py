@@ -46,6 +46,7 @@ def test_pages_for_and_cache_geometry():
     assert [pages_for(n, 4) for n in (0, 1, 4, 5)] == [0, 1, 1, 2]
     cache = KVCache(KVCacheConfig(3, 10, 4, 24), torch.float32, "cpu")
     assert cache.layer(2).shape == (11, 4, 24) and cache.scratch_page == 10
+    assert cache.config.bytes(torch.float32) == cache.pools.numel() * 4
 
 
 def test_batch_layout_decodes_first():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +14,8 @@ from inference_svc.engine.kv_pages import KVCache, KVCacheConfig
 from inference_svc.model.config import load_config
 from inference_svc.model.loader import build_model, iter_checkpoint, load_model, load_weights
 from inference_svc.model.weight_map import UnexpectedWeightError
-from kernels.fp8 import block_dequant_ref, block_quant_ref
+from tests.fixtures.fp8_checkpoints import FP8_CONFIG, copy_with, fp8_tensors
 
-FP8_BLOCK = (16, 16)
 PROMPT = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38, 4, 62]
 
 
@@ -26,44 +24,6 @@ def logits_of(model) -> torch.Tensor:
     cache = KVCache(KVCacheConfig(c.num_layers, 8, 4, c.kv_cache_dim), model.dtype, "cpu")
     batch = build_batch([SequenceStep(0, len(PROMPT), (0, 1, 2), all_logits=True)], 4, "cpu")
     return model.compute_logits(model(torch.tensor(PROMPT), batch, cache))
-
-
-def copy_with(src: Path, dst: Path, tensors: dict, config_update: dict | None = None) -> Path:
-    """A checkpoint folder with src's config (updated) and `tensors` as weights."""
-    dst.mkdir(parents=True)
-    config = json.loads((src / "config.json").read_text())
-    config.update(config_update or {})
-    (dst / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(dst / "model.safetensors"))
-    return dst
-
-
-def is_quantizable(name: str, tensor: torch.Tensor) -> bool:
-    """The tensors DeepSeek's fp8 checkpoints store in e4m3: projection matrices."""
-    return tensor.dim() == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight"))
-
-
-def fp8_tensors(tensors: dict) -> tuple[dict, dict]:
-    """(fp8 checkpoint tensors, the float tensors they dequantize to)."""
-    quantized, dequantized = {}, {}
-    for name, t in tensors.items():
-        if is_quantizable(name, t):
-            q, scale = block_quant_ref(t, FP8_BLOCK)
-            quantized[name], quantized[name + "_scale_inv"] = q, scale
-            dequantized[name] = block_dequant_ref(q, scale, FP8_BLOCK)
-        else:
-            quantized[name] = dequantized[name] = t
-    return quantized, dequantized
-
-
-FP8_CONFIG = {
-    "quantization_config": {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": list(FP8_BLOCK),
-    }
-}
 
 
 def test_sharded_fused_experts_and_mtp_layer(tiny_checkpoint, tmp_path):

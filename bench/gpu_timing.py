@@ -1,0 +1,83 @@
+"""Timing, measured ceilings and result files shared by the base-model benchmarks.
+
+GPU timings use `triton.testing.do_bench` (warm-up, L2 flush between runs, median); the
+CPU path (`--smoke` runs) uses a plain median so the scripts' setup can be checked anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, rep: int = 50) -> float:
+    """Median milliseconds of one call of `fn`."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+    fn()
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    numel = (1 << 28) if device.type == "cuda" else (1 << 22)  # 512 MiB / 8 MiB of bf16
+    src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def matmul_flops(device: torch.device) -> float:
+    """bf16 matrix-product throughput in FLOP/s (8192³ on GPU)."""
+    n = 8192 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, device)
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+def bar_plot(path: Path, title: str, labels: list[str], series: dict[str, list[float]], unit: str):
+    """Grouped bars: one group per label, one bar per series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.9), 4))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
+    ax.set_xticks(
+        [x + 0.4 - width / 2 for x in range(len(labels))], labels, rotation=30, ha="right"
+    )
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
