@@ -7,7 +7,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import boto3
 import grpc
 import pytest
 
@@ -23,7 +22,6 @@ from tests.inference.client import (
     status_of,
 )
 from tests.inference.conftest import scaled_adapter, upload
-from tests.store.harness import InProcessStore
 
 
 @pytest.fixture
@@ -161,6 +159,8 @@ def test_queue_full_and_prompt_too_long(start_inference) -> None:
 def test_store_down_serves_known_adapters_and_refuses_others(
     start_inference, redis_server, s3_server, module_bucket
 ) -> None:
+    from tests.store.harness import InProcessStore
+
     second = InProcessStore(redis_server.url, s3_server.endpoint_url, module_bucket).start()
     replica = start_inference(store_address=second.address)
     with grpc.insecure_channel(replica.address) as channel:

@@ -30,7 +30,7 @@ from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.tiny import EMBEDDED_BASE_DIR
 from inference_svc.model.tokenizer import ByteTokenizer
-from tests.inference.random_adapters import random_adapter
+from tests.fixtures.random_adapters import random_adapter
 
 HF_CONFIG = json.loads((EMBEDDED_BASE_DIR / "config.json").read_text())
 
