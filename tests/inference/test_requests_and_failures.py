@@ -23,6 +23,8 @@ from tests.inference.client import (
 )
 from tests.inference.conftest import scaled_adapter, upload
 
+boto3 = pytest.importorskip("boto3")  # absent on the GPU machine
+
 
 @pytest.fixture
 def replica(start_inference):
