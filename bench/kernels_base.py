@@ -77,9 +77,9 @@ def moe_case(tokens, hidden, inter, experts, top_k, quant, device, with_ref) -> 
     else:
         w13, w2 = w13.to(dtype), w2.to(dtype)
 
-    def staged(gemm, silu, combine):
+    def staged(align_pairs, gemm, silu, combine):
         def run():
-            align = fm.moe_align(ids, experts, 16)
+            align = align_pairs(ids, experts, fm.moe_block_m(ids.numel(), experts))
             gate_up = gemm(x, w13, align, top_k, s13, block)
             down = gemm(silu(gate_up), w2, align, 1, s2, block)
             return combine(down, weights)
@@ -88,9 +88,11 @@ def moe_case(tokens, hidden, inter, experts, top_k, quant, device, with_ref) -> 
 
     providers = {}
     if device.type == "cuda":
-        providers["triton"] = staged(fm.grouped_gemm, fm.silu_mul, fm.moe_combine)
+        providers["triton"] = staged(fm.moe_align, fm.grouped_gemm, fm.silu_mul, fm.moe_combine)
     if with_ref:
-        providers["torch"] = staged(fm.grouped_gemm_ref, fm.silu_mul_ref, fm.moe_combine_ref)
+        providers["torch"] = staged(
+            fm.moe_align_ref, fm.grouped_gemm_ref, fm.silu_mul_ref, fm.moe_combine_ref
+        )
     distinct = ids.unique().numel()
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     moved = distinct * expert_bytes + 2 * x.numel() * x.element_size()
