@@ -14,6 +14,7 @@ from inference_svc.layers.quant import QuantInfo, QuantMethod
 from inference_svc.model.config import RoutingConfig
 from kernels import fused_moe as fm
 
+
 class DenseMLP(nn.Module):
     """Semantics: down(silu(gate·x) ⊙ up·x), with `gate_up` one fused matmul."""
 
