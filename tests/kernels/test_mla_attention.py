@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from kernels import mla_attention as mla
 from tests.fixtures.triton_interpret import kernel_device
@@ -86,7 +87,11 @@ def test_tuned_mla_decode_matches_ref_on_gpu(heads, lens):
     for config in mla.MLA_DECODE_CONFIGS:
         if config.kwargs["BLOCK_H"] > max(16, heads):
             continue
-        ours = mla.mla_decode(*args, scale, config=config)
+        try:
+            ours = mla.mla_decode(*args, scale, config=config)
+        except OutOfResources:  # the race skips such configs the same way; v1's must fit
+            assert config is not mla.MLA_DECODE_CONFIGS[0]
+            continue
         torch.testing.assert_close(ours.float().cpu(), ref, atol=2e-2, rtol=2e-2, msg=str(config))
     ours = mla.mla_decode(*args, scale)  # the raced choice
     torch.testing.assert_close(ours.float().cpu(), ref, atol=2e-2, rtol=2e-2)
