@@ -31,6 +31,17 @@ def time_ms(fn: Callable[[], object], device: torch.device, rep: int = 50) -> fl
     return statistics.median(samples)
 
 
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` captured in a CUDA graph (after a warm-up call that compiles and tunes), as a
+    replay callable: times the kernels without the host's per-launch cost."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
     numel = (1 << 28) if device.type == "cuda" else (1 << 22)  # 512 MiB / 8 MiB of bf16

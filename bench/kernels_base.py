@@ -22,10 +22,12 @@ from bench.gpu_timing import (
     bar_plot,
     copy_bandwidth,
     device_name,
+    graphed,
     matmul_flops,
     time_ms,
     write_json,
 )
+from bench.kernel_variants import block_m_v1
 from kernels import fp8
 from kernels import fused_moe as fm
 from kernels import mla_attention as mla
@@ -50,7 +52,11 @@ def mla_decode_case(batch, heads, context, dtype, device, with_ref) -> Case:
     q_lat = torch.randn(batch, heads, latent, device=device, dtype=dtype)
     q_rope = torch.randn(batch, heads, rope, device=device, dtype=dtype)
     args = (q_lat, q_rope, kv, table, lens, 0.1)
-    providers = {"triton": lambda: mla.mla_decode(*args)} if device.type == "cuda" else {}
+    providers = {}
+    if device.type == "cuda":
+        providers["triton"] = graphed(lambda: mla.mla_decode(*args))
+        v1 = mla.MLA_DECODE_CONFIGS[0]
+        providers["triton_v1"] = graphed(lambda: mla.mla_decode(*args, config=v1))
     if with_ref:
         providers["torch"] = lambda: mla.mla_decode_ref(*args)
     element = kv.element_size()
@@ -77,9 +83,9 @@ def moe_case(tokens, hidden, inter, experts, top_k, quant, device, with_ref) -> 
     else:
         w13, w2 = w13.to(dtype), w2.to(dtype)
 
-    def staged(gemm, silu, combine):
+    def staged(align_pairs, gemm, silu, combine, block_m=fm.moe_block_m):
         def run():
-            align = fm.moe_align(ids, experts, 16)
+            align = align_pairs(ids, experts, block_m(ids.numel(), experts))
             gate_up = gemm(x, w13, align, top_k, s13, block)
             down = gemm(silu(gate_up), w2, align, 1, s2, block)
             return combine(down, weights)
@@ -88,9 +94,16 @@ def moe_case(tokens, hidden, inter, experts, top_k, quant, device, with_ref) -> 
 
     providers = {}
     if device.type == "cuda":
-        providers["triton"] = staged(fm.grouped_gemm, fm.silu_mul, fm.moe_combine)
+        new = staged(fm.moe_align, fm.grouped_gemm, fm.silu_mul, fm.moe_combine)
+        providers["triton"] = graphed(new)  # as in the model's decode graphs
+        providers["triton_eager"] = new  # as measured in v1 (host-launch bound)
+        providers["triton_v1"] = graphed(
+            staged(fm.moe_align_ref, fm.grouped_gemm, fm.silu_mul, fm.moe_combine, block_m_v1)
+        )
     if with_ref:
-        providers["torch"] = staged(fm.grouped_gemm_ref, fm.silu_mul_ref, fm.moe_combine_ref)
+        providers["torch"] = staged(
+            fm.moe_align_ref, fm.grouped_gemm_ref, fm.silu_mul_ref, fm.moe_combine_ref
+        )
     distinct = ids.unique().numel()
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     moved = distinct * expert_bytes + 2 * x.numel() * x.element_size()
@@ -162,6 +175,8 @@ def main() -> None:
                     "flops_fraction": tflops * 1e12 / flops_ceiling,
                 }
             )
+            if case.name.startswith("mla_decode") and provider == "triton":
+                rows[-1]["config"] = str(mla._mla_decode_tuned.best_config)
             print(
                 f"{case.name:42s} {provider:18s} {ms * 1e3:10.1f} µs  {gbps:8.1f} GB/s "
                 f"({gbps * 1e9 / bandwidth:5.1%} of copy)  {tflops:7.2f} TFLOP/s"

@@ -2,6 +2,12 @@
 
     python -m bench.model_decode --json out.json --plot out.png          # GPU (bf16, graphs)
     python -m bench.model_decode --json out.json --plot out.png --smoke  # CPU setup check
+    python -m bench.model_decode --json out.json --plot out.png --variants v1 v2 --profile
+
+`--variants` runs the step with each kernel variant (bench/kernel_variants.py: v1 = the
+first measured code, v2 = now, v2-x = v2 with change x reverted), capturing graphs anew for
+each. `--profile` adds, per variant and batch, a torch-profiler summary of the step's
+kernels by class (launches and µs per step) for the graph replay and for an eager step.
 
 The model is V2-Lite's shape with `q_lora_rank: 1536` (27 layers, 64 routed experts, top-6,
 2 shared). Each batch size decodes one token per sequence against `--context` cached tokens.
@@ -17,6 +23,8 @@ from pathlib import Path
 import torch
 
 from bench.gpu_timing import bar_plot, copy_bandwidth, device_name, time_ms, write_json
+from bench.kernel_variants import VARIANTS, kernel_variant
+from bench.step_profile import profile_step
 from inference_svc.engine.batch import SequenceStep, build_batch
 from inference_svc.engine.kv_pages import pages_for
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
@@ -106,6 +114,38 @@ def decode_batch(batch: int, context: int, page_size: int, device: torch.device)
     return build_batch(steps, page_size, device)
 
 
+def measure(runner, variant, batch_size, context, page_size, bandwidth, with_profile) -> dict:
+    """Time one decode step of `batch_size` sequences (graph replay on CUDA) vs its floor."""
+    model, device = runner.model, runner.device
+    config = model.config
+    batch = decode_batch(batch_size, context, page_size, device)
+    ids = torch.randint(0, config.vocab_size, (batch_size,), device=device)
+    ms = time_ms(lambda: runner.execute(ids, batch), device)
+    parts = step_bytes(model, batch_size, context)
+    floor_ms = sum(parts.values()) / bandwidth * 1e3
+    row = {
+        "variant": variant,
+        "batch": batch_size,
+        "context": context,
+        "step_ms": ms,
+        "floor_ms": floor_ms,
+        "ratio": ms / floor_ms,
+        "tokens_per_s": batch_size / (ms * 1e-3),
+        **{f"{k}_bytes": v for k, v in parts.items()},
+    }
+    if with_profile:
+        if device.type == "cuda":
+            row["profile_graph"] = profile_step(lambda: runner.execute(ids, batch), device)
+
+        def eager():
+            hidden = model(ids, batch, runner.kv_cache)
+            return model.compute_logits(hidden[batch.logits_indices])
+
+        row["profile_eager"] = profile_step(eager, device)
+    print(f"{variant:>8s} B={batch_size:4d} step {ms:8.3f} ms  floor {floor_ms:8.3f} ms")
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", type=Path, required=True)
@@ -113,6 +153,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, no graphs")
+    parser.add_argument("--variants", nargs="+", default=["v2"], choices=sorted(VARIANTS))
+    parser.add_argument("--profile", action="store_true", help="kernel-class summary per step")
     args = parser.parse_args()
 
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -141,25 +183,23 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
 
     rows = []
-    for batch_size in batch_sizes:
-        batch = decode_batch(batch_size, context, page_size, device)
-        ids = torch.randint(0, config.vocab_size, (batch_size,), device=device)
-        ms = time_ms(lambda b=batch, i=ids: runner.execute(i, b), device)
-        parts = step_bytes(model, batch_size, context)
-        floor_ms = sum(parts.values()) / bandwidth * 1e3
-        rows.append(
-            {
-                "batch": batch_size,
-                "context": context,
-                "step_ms": ms,
-                "floor_ms": floor_ms,
-                "ratio": ms / floor_ms,
-                "tokens_per_s": batch_size / (ms * 1e-3),
-                **{f"{k}_bytes": v for k, v in parts.items()},
-            }
-        )
+    for variant in args.variants:
+        with kernel_variant(variant):
+            if device.type == "cuda":
+                runner.release_decode_graphs()
+                runner.capture_decode_graphs()
+            rows += [
+                measure(runner, variant, b, context, page_size, bandwidth, args.profile)
+                for b in batch_sizes
+            ]
+    print(f"{'variant':>12s} {'B':>4s} {'step ms':>9s} {'floor ms':>9s} {'ratio':>6s} launches")
+    for r in rows:
+        launches = r.get("profile_eager", {}).get(
+            "launches_per_step"
+        )  # graph replays may hide them
         print(
-            f"B={batch_size:4d} step {ms:8.3f} ms  floor {floor_ms:8.3f} ms  ×{ms / floor_ms:5.2f}"
+            f"{r['variant']:>12s} {r['batch']:4d} {r['step_ms']:9.3f} {r['floor_ms']:9.3f} "
+            f"{r['ratio']:6.2f} {launches}"
         )
     meta = {
         "device": device_name(device),
@@ -169,12 +209,14 @@ def main() -> None:
         "cuda_graphs": device.type == "cuda",
     }
     write_json(args.json, meta, rows)
-    labels = [f"B={r['batch']}" for r in rows]
+    labels = [f"B={b}" for b in batch_sizes]
+    series = {f"step {v}": [r["step_ms"] for r in rows if r["variant"] == v] for v in args.variants}
+    series["floor"] = [r["floor_ms"] for r in rows if r["variant"] == args.variants[0]]
     bar_plot(
         args.plot,
         f"decode step, V2-Lite shape (q_lora 1536), ctx {context}, {meta['device']}",
         labels,
-        {"step": [r["step_ms"] for r in rows], "floor": [r["floor_ms"] for r in rows]},
+        series,
         "ms",
     )
 

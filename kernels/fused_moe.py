@@ -49,11 +49,12 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """Semantics: stable-sort pairs p by topk_ids.flat[p], pad each expert's run to block_m.
 
-    Plain torch ops without host synchronisation, so it runs (and is captured in CUDA
-    graphs) on either device.
+    Plain torch ops without host synchronisation (~35 small kernels on a GPU), so it runs
+    and is captured in CUDA graphs on either device; `moe_align` does the same in one
+    Triton launch.
     Args:
         topk_ids: [T, k] integer expert ids in [0, E).
     """
@@ -82,6 +83,101 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
         block_m=block_m,
         num_pairs=num_pairs,
     )
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr, sorted_ids_ptr, block_experts_ptr, offsets_ptr, counts_ptr, starts_ptr,
+    num_pairs, num_experts, total, num_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, LOG2_BLOCK_P: tl.constexpr,
+    NUM_BINS: tl.constexpr, FILL_BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    # One program: P ≤ BLOCK_P pairs fit in registers, so counting, the scan and a stable
+    # sort happen on-chip. Scalars/vectors another lane needs go through global memory
+    # (offsets, starts), ordered by a block-wide barrier.
+    offs_p = tl.arange(0, BLOCK_P)
+    real = offs_p < num_pairs
+    expert = tl.load(ids_ptr + offs_p, mask=real, other=0).to(tl.int32)
+    expert = tl.where(real, expert, num_experts)  # padding lanes count in bin E, sort last
+    counts = tl.histogram(expert, NUM_BINS)  # [NUM_BINS]
+    bins = tl.arange(0, NUM_BINS)
+    counts = tl.where(bins < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)  # inclusive: end of each expert's padded run
+    unpadded_start = tl.cumsum(counts, 0) - counts
+    is_expert = bins < num_experts
+    tl.store(counts_ptr + bins, counts, mask=is_expert)
+    tl.store(offsets_ptr + 1 + bins, padded_end, mask=is_expert)
+    tl.store(offsets_ptr + bins, 0, mask=bins == 0)
+    tl.store(starts_ptr + bins, unpadded_start, mask=is_expert)
+    for f0 in range(0, total, FILL_BLOCK):
+        fill = f0 + tl.arange(0, FILL_BLOCK)
+        tl.store(sorted_ids_ptr + fill, num_pairs, mask=fill < total)
+    # Tile → expert: the number of padded runs that end at or before the tile's start.
+    run_ends = tl.where(is_expert, padded_end, 2147483647)
+    used = tl.max(padded_end, 0)
+    for t0 in range(0, num_tiles, TILE_BLOCK):
+        tiles = t0 + tl.arange(0, TILE_BLOCK)
+        first_row = tiles * BLOCK_M
+        owner = tl.sum((run_ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(first_row < used, owner, -1)
+        tl.store(block_experts_ptr + tiles, owner, mask=tiles < num_tiles)
+    tl.debug_barrier()
+    # Sorting (expert, pair) keys is a stable sort of pairs by expert.
+    keys = tl.sort(expert * BLOCK_P + offs_p)
+    sorted_expert = keys >> LOG2_BLOCK_P
+    pair = keys & (BLOCK_P - 1)
+    in_range = sorted_expert < num_experts
+    start = tl.load(starts_ptr + sorted_expert, mask=in_range, other=0)
+    run_start = tl.load(offsets_ptr + sorted_expert, mask=in_range, other=0)
+    row = run_start + offs_p - start  # offs_p is the rank in sorted order
+    tl.store(sorted_ids_ptr + row, pair, mask=in_range)
+
+
+# Largest pair count aligned in one program (registers hold every pair); larger batches
+# (long prefills, outside CUDA graphs) use the torch ops, where per-op cost is amortised.
+MAX_SINGLE_PROGRAM_PAIRS = 4096
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Triton version of `moe_align_ref` (same arguments and result) in one launch.
+
+    Beyond MAX_SINGLE_PROGRAM_PAIRS pairs it runs `moe_align_ref` (same result).
+    """
+    num_pairs, device = topk_ids.numel(), topk_ids.device
+    if num_pairs == 0 or num_pairs > MAX_SINGLE_PROGRAM_PAIRS:
+        return moe_align_ref(topk_ids, num_experts, block_m)
+    flat = topk_ids.flatten()
+    if flat.stride(0) != 1:
+        flat = flat.contiguous()
+    total = max_padded_pairs(num_pairs, num_experts, block_m)
+    num_tiles = total // block_m
+    sorted_ids = torch.empty(total, dtype=torch.int32, device=device)
+    block_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=device)  # scratch
+    block_p = max(16, triton.next_power_of_2(num_pairs))
+    _moe_align_kernel[(1,)](
+        flat, sorted_ids, block_experts, offsets, counts, starts,
+        num_pairs, num_experts, total, num_tiles,
+        BLOCK_M=block_m, BLOCK_P=block_p, LOG2_BLOCK_P=block_p.bit_length() - 1,
+        NUM_BINS=triton.next_power_of_2(num_experts + 1), FILL_BLOCK=1024, TILE_BLOCK=32,
+        num_warps=8 if block_p >= 1024 else 4,
+    )  # fmt: skip
+    return MoEAlignment(sorted_ids, block_experts, offsets, counts, block_m, num_pairs)
+
+
+def moe_block_m(num_pairs: int, num_experts: int) -> int:
+    """Row tile of the grouped GEMM for a batch: one tile per expert's run where possible.
+
+    Each extra tile of one expert re-reads that expert's weights, so the tile grows with
+    the mean pairs per expert (×1.5 for uneven routing); padded rows cost only FLOPs,
+    which decode has to spare: 16 while 1.5 × mean ≤ 16 (V2-Lite decode B ≤ 113), 32 while
+    ≤ 32 (B ≤ 227), else 64.
+    """
+    want = max(1, int(1.5 * num_pairs / max(1, num_experts)))
+    return int(min(64, max(16, triton.next_power_of_2(want))))
 
 
 def _dequant_expert(w: torch.Tensor, scale: torch.Tensor | None, block, e: int) -> torch.Tensor:

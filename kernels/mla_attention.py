@@ -59,14 +59,16 @@ def mla_decode_ref(
 @triton.jit
 def _mla_decode_kernel(
     q_lat_ptr, q_rope_ptr, kv_ptr, page_table_ptr, ctx_ptr, o_part_ptr, lse_part_ptr,
-    H, scale,
+    BATCH_BUCKET, H, scale,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_kvp, stride_kvs, stride_ptb,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    b, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Head blocks vary fastest: the programs of one sequence run together and share its
+    # K/V rows through L2 instead of each reading them from memory (H=128: 8 blocks).
+    head_block, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < H
     offs_c = tl.arange(0, BLOCK_C)
@@ -156,12 +158,40 @@ def _mla_decode_merge_kernel(
     )
 
 
-def default_num_splits(batch: int, heads: int, block_h: int = 16) -> int:
+def _prune_head_blocks(configs, named_args, **kwargs):
+    """Head tiles wider than the (power-of-two-rounded) head count only waste registers."""
+    heads = max(16, triton.next_power_of_2(named_args["H"]))
+    return [c for c in configs if c.kwargs["BLOCK_H"] <= heads]
+
+
+# Launch configurations raced once per (batch rounded up to a power of two, H, splits) on
+# the first CUDA call, i.e. during the warm-up before graph capture; the bucket keeps eager
+# steps of new batch sizes from re-tuning. The first is the v1 configuration (BLOCK_T 16 for
+# C=512, Triton's default 4 warps / 3 stages); the others tile more tokens per iteration
+# (fewer serial steps of a latency-bound loop) or more heads per program (H=128 reads each
+# K/V row once per 32/64 heads instead of per 16).
+MLA_DECODE_CONFIGS = [
+    triton.Config({"BLOCK_H": 16, "BLOCK_T": 16}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_H": 16, "BLOCK_T": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_H": 16, "BLOCK_T": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_H": 32, "BLOCK_T": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_H": 64, "BLOCK_T": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_H": 64, "BLOCK_T": 64}, num_warps=8, num_stages=2),
+]
+_mla_decode_tuned = triton.autotune(
+    MLA_DECODE_CONFIGS,
+    key=["BATCH_BUCKET", "H", "NUM_SPLITS"],
+    prune_configs_by={"early_config_prune": _prune_head_blocks},
+)(_mla_decode_kernel)
+
+
+def default_num_splits(batch: int, heads: int) -> int:
     """Split-K factor from the launch shape only (so a captured CUDA graph stays valid).
 
-    Aims at ~2 programs per SM of an H100/H200 (132 SMs); at most 16 splits.
+    Aims at ~2 programs per SM of an H100/H200 (132 SMs) counting 64 heads per program
+    (the widest tuned head tile); at most 16 splits.
     """
-    programs = batch * triton.cdiv(heads, block_h)
+    programs = batch * triton.cdiv(heads, 64)
     return max(1, min(16, triton.cdiv(264, programs)))
 
 
@@ -173,8 +203,13 @@ def mla_decode(
     context_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
-    """Triton version of `mla_decode_ref` (same arguments; `num_splits` = split-K factor)."""
+    """Triton version of `mla_decode_ref` (same arguments; `num_splits` = split-K factor).
+
+    `config`: one of MLA_DECODE_CONFIGS to launch with; None races them once per shape on
+    CUDA, and runs the v1 configuration MLA_DECODE_CONFIGS[0] elsewhere (interpreter).
+    """
     batch, heads, latent_dim = q_lat.shape
     rope_dim = q_rope.shape[-1]
     pages, page_size, width = kv_pool.shape
@@ -187,8 +222,7 @@ def mla_decode(
         raise ValueError("page_table / context_lens must have one row per sequence")
     if q_lat.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_pool.stride(-1) != 1:
         raise ValueError("q_lat, q_rope and kv_pool need unit stride in the last dim")
-    block_h = 16
-    splits = num_splits or default_num_splits(batch, heads, block_h)
+    splits = num_splits or default_num_splits(batch, heads)
     o_part = torch.empty(
         (batch, heads, splits, latent_dim), dtype=torch.float32, device=q_lat.device
     )
@@ -198,18 +232,31 @@ def mla_decode(
         return out
     block_c = triton.next_power_of_2(latent_dim)
     block_r = max(16, triton.next_power_of_2(rope_dim))
-    block_t = 32 if block_c <= 256 else 16
-    grid = (batch, triton.cdiv(heads, block_h), splits)
-    _mla_decode_kernel[grid](
+    args = (
         q_lat, q_rope, kv_pool, page_table, context_lens, o_part, lse_part,
-        heads, scale,
+        triton.next_power_of_2(batch), heads, scale,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), page_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        C=latent_dim, R=rope_dim, BLOCK_C=block_c, BLOCK_R=block_r, PAGE_SIZE=page_size,
-        BLOCK_H=block_h, BLOCK_T=block_t, NUM_SPLITS=splits,
     )  # fmt: skip
+    shape = {"C": latent_dim, "R": rope_dim, "BLOCK_C": block_c, "BLOCK_R": block_r,
+             "PAGE_SIZE": page_size, "NUM_SPLITS": splits}  # fmt: skip
+
+    def grid(meta):
+        return (triton.cdiv(heads, meta["BLOCK_H"]), splits, batch)
+
+    if config is None and q_lat.is_cuda:
+        _mla_decode_tuned[grid](*args, **shape)
+    else:
+        config = config or MLA_DECODE_CONFIGS[0]
+        block_t = config.kwargs["BLOCK_T"]
+        if config is MLA_DECODE_CONFIGS[0] and block_c <= 256:
+            block_t = 32  # v1's rule for narrow latents
+        _mla_decode_kernel[grid](
+            *args, **shape, BLOCK_H=config.kwargs["BLOCK_H"], BLOCK_T=block_t,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
     _mla_decode_merge_kernel[(batch, heads)](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),

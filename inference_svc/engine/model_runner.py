@@ -154,6 +154,13 @@ class ModelRunner:
                 with_lora = lora_pool is not None
                 self._graphs[size, with_lora] = _DecodeGraph(size, graph, input_ids, batch, logits)
 
+    def release_decode_graphs(self) -> None:
+        """Drop the captured graphs (and their memory pool) so they can be captured anew."""
+        self._graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
     def _replay(self, g: _DecodeGraph, input_ids: torch.Tensor, batch: BatchMetadata):
         n, static = batch.num_seqs, g.batch
         scratch = self.kv_cache.scratch_page

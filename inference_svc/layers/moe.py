@@ -20,9 +20,6 @@ from inference_svc.model.config import RoutingConfig
 from kernels import fused_moe as fm
 from kernels.lora_segments import LoraSegments
 
-# Row tile of the grouped GEMM: pairs of one expert are padded to a multiple of it.
-MOE_BLOCK_M = 16
-
 
 class DenseMLP(nn.Module):
     """Semantics: down(silu(gate·x) ⊙ up·x), with `gate_up` one fused matmul."""
@@ -142,7 +139,9 @@ class MoE(nn.Module):
         topk_weights, topk_ids = self.gate(x)  # [T, k]
         w13, w2 = self.experts.quant_info()
         triton_path = x.is_cuda
-        align = fm.moe_align(topk_ids, self.experts.num_experts, MOE_BLOCK_M)
+        num_experts = self.experts.num_experts
+        block_m = fm.moe_block_m(topk_ids.numel(), num_experts)
+        align = (fm.moe_align if triton_path else fm.moe_align_ref)(topk_ids, num_experts, block_m)
         gemm = fm.grouped_gemm if triton_path else fm.grouped_gemm_ref
         top_k = topk_ids.shape[1]
         gate_up = gemm(x, w13.weight, align, top_k, w13.scale, w13.block)  # [P, 2I]

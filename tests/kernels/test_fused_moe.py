@@ -32,13 +32,22 @@ def routing(tokens: int, experts: int, top_k: int, pattern: str, seed: int = 0):
 PATTERNS = ["uniform", "skewed", "one_expert_per_slot"]
 
 
+ALIGNERS = {"triton": fm.moe_align, "torch": fm.moe_align_ref}
+
+
+@pytest.mark.parametrize("aligner", sorted(ALIGNERS))
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize(
-    "tokens,experts,top_k,block_m", [(1, 8, 2, 16), (37, 12, 3, 16), (5, 4, 4, 32)]
+    "tokens,experts,top_k,block_m", [(1, 8, 2, 16), (37, 12, 3, 16), (5, 4, 4, 32), (9, 64, 6, 64)]
 )
-def test_align_invariants(pattern, tokens, experts, top_k, block_m):
+def test_align_invariants(aligner, pattern, tokens, experts, top_k, block_m):
     ids, _ = routing(tokens, experts, top_k, pattern)
-    align = fm.moe_align(ids, experts, block_m)
+    align = ALIGNERS[aligner](ids.to(DEVICE), experts, block_m)
+    align = fm.MoEAlignment(
+        *(t.cpu() for t in (align.sorted_pair_ids, align.block_expert_ids,
+                            align.expert_offsets, align.expert_counts)),
+        align.block_m, align.num_pairs,
+    )  # fmt: skip
     pairs = tokens * top_k
     sorted_ids = align.sorted_pair_ids.long()
     offsets = align.expert_offsets.long().tolist()
@@ -64,6 +73,44 @@ def test_align_invariants(pattern, tokens, experts, top_k, block_m):
             assert offsets[expert] <= start < offsets[expert + 1]
 
 
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(3, 8, 2, 16), (64, 64, 6, 16)])
+def test_triton_align_equals_ref_exactly(pattern, tokens, experts, top_k, block_m):
+    """Every output tensor equal, sentinels and -1 tiles included (int32 ids as input too)."""
+    ids, _ = routing(tokens, experts, top_k, pattern, seed=tokens)
+    for dtype in (torch.int64, torch.int32):
+        ours = fm.moe_align(ids.to(dtype).to(DEVICE), experts, block_m)
+        ref = fm.moe_align_ref(ids, experts, block_m)
+        for name in ("sorted_pair_ids", "block_expert_ids", "expert_offsets", "expert_counts"):
+            got, want = getattr(ours, name).cpu(), getattr(ref, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (256, 64, 6), (512, 256, 8)])
+def test_triton_align_equals_ref_on_gpu(tokens, experts, top_k):
+    """Decode-sized batches of V2-Lite and V3 (up to the one-program limit) on CUDA."""
+    ids, _ = routing(tokens, experts, top_k, "uniform", seed=tokens)
+    ids = ids.cuda()
+    block_m = fm.moe_block_m(ids.numel(), experts)
+    ours, ref = fm.moe_align(ids, experts, block_m), fm.moe_align_ref(ids, experts, block_m)
+    for name in ("sorted_pair_ids", "block_expert_ids", "expert_offsets", "expert_counts"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+
+
+def test_align_beyond_one_program_uses_torch_ops():
+    ids, _ = routing(fm.MAX_SINGLE_PROGRAM_PAIRS // 2 + 1, 8, 2, "uniform")
+    ours, ref = fm.moe_align(ids, 8, 16), fm.moe_align_ref(ids, 8, 16)
+    assert torch.equal(ours.sorted_pair_ids, ref.sorted_pair_ids)
+
+
+def test_block_m_grows_with_pairs_per_expert():
+    # V2-Lite decode (64 experts, top-6): one 16-row tile per expert up to B=64.
+    assert [fm.moe_block_m(b * 6, 64) for b in (1, 8, 64, 128, 256)] == [16, 16, 16, 32, 64]
+    assert fm.moe_block_m(256 * 8, 256) == 16  # V3 decode B=256: 8 pairs per expert
+
+
 def make_experts(experts, n, k, dtype, seed, fp8_block=None):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(experts, n, k, generator=g) * 0.2
@@ -84,7 +131,7 @@ def test_grouped_gemm_matches_ref(dtype, pattern, fp8_block):
     w13, s13 = make_experts(experts, 2 * inter, hidden, dtype, 3, fp8_block)
     gate_up = fm.grouped_gemm(x.to(DEVICE), w13.to(DEVICE), align, top_k,
                               None if s13 is None else s13.to(DEVICE), fp8_block)  # fmt: skip
-    align_cpu = fm.moe_align(ids, experts, 16)
+    align_cpu = fm.moe_align_ref(ids, experts, 16)
     ref = fm.grouped_gemm_ref(x.float(), w13, align_cpu, top_k, s13, fp8_block)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(gate_up.float().cpu(), ref, atol=atol, rtol=rtol)
@@ -126,7 +173,7 @@ def test_staged_refs_equal_per_expert_loop(pattern):
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(6))
     w13, _ = make_experts(experts, 2 * inter, hidden, torch.float32, 7)
     w2, _ = make_experts(experts, hidden, inter, torch.float32, 8)
-    align = fm.moe_align(ids, experts, 16)
+    align = fm.moe_align_ref(ids, experts, 16)
     act = fm.silu_mul_ref(fm.grouped_gemm_ref(x, w13, align, top_k))
     staged = fm.moe_combine_ref(fm.grouped_gemm_ref(act, w2, align, 1), weights)
     direct = fm.fused_moe_ref(x, w13, w2, ids, weights)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from kernels import mla_attention as mla
 from tests.fixtures.triton_interpret import kernel_device
@@ -51,6 +52,49 @@ def test_mla_decode_matches_ref(dtype, heads, latent, rope, page_size, lens, spl
     ref = mla.mla_decode_ref(q_lat.float(), q_rope.float(), pool.float(), table, ctx, scale)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(ours.float().cpu(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("config", range(len(mla.MLA_DECODE_CONFIGS)))
+def test_each_raced_config_matches_ref(config):
+    """Wider head/token tiles than the head count or context, partial tiles included."""
+    heads, latent, rope, page_size, lens = 20, 64, 16, 16, [70, 3, 130]
+    g = torch.Generator().manual_seed(config)
+    pool, table = paged_cache(lens, page_size, latent + rope, torch.float32, seed=config)
+    q_lat = torch.randn(len(lens), heads, latent, generator=g)
+    q_rope = torch.randn(len(lens), heads, rope, generator=g)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    args = [t.to(DEVICE) for t in (q_lat, q_rope, pool, table, ctx)]
+    ours = mla.mla_decode(*args, 0.1, num_splits=2, config=mla.MLA_DECODE_CONFIGS[config])
+    ref = mla.mla_decode_ref(q_lat, q_rope, pool, table, ctx, 0.1)
+    torch.testing.assert_close(ours.cpu(), ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("lens", [[1], [300, 17, 64, 1025, 2, 513, 700, 31]])
+def test_tuned_mla_decode_matches_ref_on_gpu(heads, lens):
+    """Every raced configuration is right (DeepSeek shapes, bf16), and so is the race."""
+    latent, rope, page_size = 512, 64, 16
+    g = torch.Generator().manual_seed(heads + len(lens))
+    pool, table = paged_cache(lens, page_size, latent + rope, torch.bfloat16, seed=heads)
+    q_lat = torch.randn(len(lens), heads, latent, generator=g).to(torch.bfloat16)
+    q_rope = torch.randn(len(lens), heads, rope, generator=g).to(torch.bfloat16)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    scale = (128 + rope) ** -0.5
+    ref = mla.mla_decode_ref(q_lat.float(), q_rope.float(), pool.float(), table, ctx, scale)
+    args = [t.cuda() for t in (q_lat, q_rope, pool, table, ctx)]
+    for config in mla.MLA_DECODE_CONFIGS:
+        if config.kwargs["BLOCK_H"] > max(16, heads):
+            continue
+        try:
+            ours = mla.mla_decode(*args, scale, config=config)
+        except OutOfResources:  # the race skips such configs the same way; v1's must fit
+            assert config is not mla.MLA_DECODE_CONFIGS[0]
+            continue
+        torch.testing.assert_close(ours.float().cpu(), ref, atol=2e-2, rtol=2e-2, msg=str(config))
+    ours = mla.mla_decode(*args, scale)  # the raced choice
+    torch.testing.assert_close(ours.float().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_absorbed_decode_equals_naive_attention():

@@ -1,0 +1,55 @@
+"""Old/new kernel choices of the decode step, switchable so one GPU run compares them.
+
+Each patch swaps one module attribute the model reads at call time for the v1 (pre-
+`bkperf`) implementation, which is also the torch reference the tests use, so "v1" is
+exactly the code measured in bench/results/model_decode_v1.json (up to the MLA grid
+order). Variant "v2" is the code as it is; "v2-x" is v2 with patch x reverted, so the
+difference to v2 is what change x bought.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from unittest import mock
+
+import inference_svc.layers.mla as mla_layer
+import inference_svc.layers.norm as norm_layer
+import inference_svc.layers.rope as rope_layer
+from kernels import fused_moe as fm
+from kernels.mla_attention import MLA_DECODE_CONFIGS, mla_decode
+from kernels.rms_norm import rms_norm_ref
+from kernels.rope import rope_ref
+
+
+def block_m_v1(num_pairs: int, num_experts: int) -> int:
+    """v1's grouped-GEMM row tile: 16 at every batch size."""
+    return 16
+
+
+# name → (module, attribute, v1 value)
+PATCHES = {
+    "norm": (norm_layer, "rms_norm", rms_norm_ref),  # 8 torch kernels instead of 1
+    "rope": (rope_layer, "rope", rope_ref),  # 9 torch kernels instead of 1
+    "align": (fm, "moe_align", fm.moe_align_ref),  # ~35 torch kernels instead of 1
+    "block_m": (fm, "moe_block_m", block_m_v1),  # 16-row tiles at every batch
+    "mla": (mla_layer, "mla_decode", functools.partial(mla_decode, config=MLA_DECODE_CONFIGS[0])),
+}
+VARIANTS: dict[str, frozenset[str]] = {
+    "v1": frozenset(PATCHES),
+    "v2": frozenset(),
+    **{f"v2-{name}": frozenset({name}) for name in PATCHES},
+}
+
+
+@contextmanager
+def kernel_variant(name: str) -> Iterator[None]:
+    """Within the block, the model runs variant `name` (capture graphs inside it)."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
+    with ExitStack() as stack:
+        for patch in sorted(VARIANTS[name]):
+            module, attribute, value = PATCHES[patch]
+            stack.enter_context(mock.patch.object(module, attribute, value))
+        yield

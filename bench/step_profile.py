@@ -1,0 +1,93 @@
+"""Where a decode step's GPU time goes: torch-profiler kernel records grouped by class.
+
+Classes are our Triton kernels by name and torch/cuBLAS kernels by family, so the
+summary answers "how many launches of what, and how many µs each class takes per step".
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+# (substring of the kernel name, class); the first match wins.
+TORCH_KERNEL_CLASSES = [
+    ("gemm", "cublas_gemm"),
+    ("gemv", "cublas_gemm"),
+    ("cutlass", "cublas_gemm"),
+    ("nvjet", "cublas_gemm"),
+    ("xmma", "cublas_gemm"),
+    ("splitk", "cublas_gemm"),
+    ("softmax", "torch_softmax"),
+    ("topk", "torch_topk_sort"),
+    ("sort", "torch_topk_sort"),
+    ("radix", "torch_topk_sort"),
+    ("scan", "torch_topk_sort"),
+    ("reduce", "torch_reduce"),
+    ("index", "torch_index_scatter"),
+    ("scatter", "torch_index_scatter"),
+    ("gather", "torch_index_scatter"),
+    ("cat", "torch_cat_copy"),
+    ("copy", "torch_cat_copy"),
+    ("memcpy", "memcpy_memset"),
+    ("memset", "memcpy_memset"),
+    ("fill", "torch_elementwise"),
+    ("elementwise", "torch_elementwise"),
+]
+
+
+def kernel_class(name: str) -> str:
+    """Our Triton kernels keep their name (`_mla_decode_kernel`); torch's get a family."""
+    if name.startswith("_") and "kernel" in name:
+        return name.split("(")[0]
+    lowered = name.lower()
+    for needle, label in TORCH_KERNEL_CLASSES:
+        if needle in lowered:
+            return label
+    return "other"
+
+
+def profile_step(step: Callable[[], object], device: torch.device, steps: int = 5) -> dict:
+    """Run `step` `steps` times under the profiler; per-step kernel counts and µs by class.
+
+    On CPU (smoke runs) the records are aten operators, a proxy for launch counts.
+    """
+    step()  # warm
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    count: dict[str, float] = defaultdict(float)
+    micros: dict[str, float] = defaultdict(float)
+    names: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if device.type == "cuda" and not on_device:
+            continue
+        if device.type != "cuda" and not event.name.startswith("aten::"):
+            continue
+        if device.type != "cuda" and event.cpu_parent is not None:
+            continue  # top-level aten ops only: nested ones are the same launch
+        label = kernel_class(event.name) if on_device else event.name
+        elapsed = event.time_range.elapsed_us()
+        count[label] += 1 / steps
+        micros[label] += elapsed / steps
+        names[event.name[:80]] += elapsed / steps
+    classes = {
+        label: {"launches_per_step": round(count[label], 2), "us_per_step": round(micros[label], 1)}
+        for label in sorted(micros, key=micros.get, reverse=True)
+    }
+    top = sorted(names.items(), key=lambda kv: kv[1], reverse=True)[:15]
+    return {
+        "launches_per_step": round(sum(count.values()), 1),
+        "busy_us_per_step": round(sum(micros.values()), 1),
+        "classes": classes,
+        "top_kernels_us": {name: round(us, 1) for name, us in top},
+    }

@@ -1,0 +1,84 @@
+"""Rotary embedding of the rope slice of MLA queries/keys in one launch.
+
+The torch form (inference_svc.layers.rope) is 9 kernels per call and runs twice per layer.
+Rounding follows it exactly: cos/sin are rounded to x's dtype, each product and the
+sum/difference are rounded to x's dtype, as torch does op by op.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def rope_ref(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
+    """Semantics: pairs (a, b) of x[t, ..., :] → (a·cos − b·sin, b·cos + a·sin), written as
+    [all first halves ⊕ all second halves].
+
+    Pairs are (x[2i], x[2i+1]) when `interleave`, else (x[i], x[i + dim/2]).
+    Args:
+        x: [T, ..., dim]; cos, sin: [T, dim/2] float32. Returns [T, ..., dim] in x's dtype.
+    """
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, M,
+    stride_xt, stride_xm, stride_ct, stride_ot, stride_om,
+    HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    mask = (offs_m[:, None] < M) & (offs_i[None, :] < HALF)
+    row = x_ptr + t * stride_xt + offs_m[:, None] * stride_xm
+    if INTERLEAVE:
+        first, second = row + 2 * offs_i[None, :], row + 2 * offs_i[None, :] + 1
+    else:
+        first, second = row + offs_i[None, :], row + HALF + offs_i[None, :]
+    a = tl.load(first, mask=mask, other=0.0)
+    b = tl.load(second, mask=mask, other=0.0)
+    dtype = a.dtype
+    cos = tl.load(cos_ptr + t * stride_ct + offs_i, mask=offs_i < HALF, other=0.0).to(dtype)
+    sin = tl.load(sin_ptr + t * stride_ct + offs_i, mask=offs_i < HALF, other=0.0).to(dtype)
+    a_cos = (a * cos[None, :]).to(dtype)
+    b_sin = (b * sin[None, :]).to(dtype)
+    b_cos = (b * cos[None, :]).to(dtype)
+    a_sin = (a * sin[None, :]).to(dtype)
+    out = out_ptr + t * stride_ot + offs_m[:, None] * stride_om + offs_i[None, :]
+    tl.store(out, (a_cos - b_sin).to(dtype), mask=mask)
+    tl.store(out + HALF, (b_cos + a_sin).to(dtype), mask=mask)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Triton version of `rope_ref`. x [T, dim] or [T, M, dim] with unit stride in dim."""
+    if x.dim() not in (2, 3) or x.stride(-1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} must be [T, dim] or [T, M, dim], unit-stride dim")
+    x3 = x if x.dim() == 3 else x[:, None, :]
+    tokens, heads, dim = x3.shape
+    half = dim // 2
+    if dim % 2 or cos.shape != (tokens, half) or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} must be [T, dim/2] for x {tuple(x.shape)}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    if tokens:
+        block_m = min(16, triton.next_power_of_2(heads))
+        _rope_kernel[(tokens, triton.cdiv(heads, block_m))](
+            x3, cos, sin, out, heads,
+            x3.stride(0), x3.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+            HALF=half, BLOCK_M=block_m, BLOCK_HALF=triton.next_power_of_2(half),
+            INTERLEAVE=interleave,
+        )  # fmt: skip
+    return out.view(x.shape)
