@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_svc.engine.kv_pages import pages_for
+from inference_svc.lora.batch import LoraBatch, build_lora_batch
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class SequenceStep:
     query_len: int  # new tokens run this step
     pages: tuple[int, ...]  # page table covering cached_len + query_len tokens
     all_logits: bool = False  # logits for every new token (prompt logprobs), else the last
+    lora_slot: int = -1  # LoRA pool slot of the sequence's adapter, -1 = base model
 
     def __post_init__(self) -> None:
         if self.cached_len < 0 or self.query_len <= 0:
@@ -45,6 +47,7 @@ class BatchMetadata:
     logits_indices: [L] int64 rows of the hidden states that need logits.
     num_decode_seqs: sequences [0, num_decode_seqs) are decodes (one token each).
     query_lens / context_lens_host: host copies for the prefill path's per-sequence loop.
+    lora: which LoRA slot each token uses; None when no sequence uses an adapter.
     """
 
     positions: torch.Tensor
@@ -57,6 +60,7 @@ class BatchMetadata:
     query_lens: tuple[int, ...]
     context_lens_host: tuple[int, ...]
     page_size: int
+    lora: LoraBatch | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,9 +76,16 @@ class BatchMetadata:
 
 
 def build_batch(
-    seqs: list[SequenceStep], page_size: int, device: torch.device | str
+    seqs: list[SequenceStep],
+    page_size: int,
+    device: torch.device | str,
+    lora_slot_rank: torch.Tensor | None = None,
 ) -> BatchMetadata:
-    """Lay out a step's sequences (decodes first) into one `BatchMetadata`."""
+    """Lay out a step's sequences (decodes first) into one `BatchMetadata`.
+
+    lora_slot_rank: the LoRA pool's per-slot rank tensor; needed when a sequence has a
+    `lora_slot`.
+    """
     if not seqs:
         raise ValueError("a batch needs at least one sequence")
     num_decodes = 0
@@ -99,6 +110,15 @@ def build_batch(
         )
         starts.append(first + s.query_len)
 
+    lora = None
+    if any(s.lora_slot != -1 for s in seqs):
+        if lora_slot_rank is None:
+            raise ValueError("a sequence uses a LoRA slot but the batch has no LoRA pool")
+        lora = build_lora_batch(
+            [s.lora_slot for s in seqs], [s.query_len for s in seqs], num_decodes,
+            lora_slot_rank, device,
+        )  # fmt: skip
+
     def tensor(values, dtype):
         return torch.tensor(values, dtype=dtype).to(device)
 
@@ -113,4 +133,5 @@ def build_batch(
         query_lens=tuple(s.query_len for s in seqs),
         context_lens_host=tuple(s.cached_len + s.query_len for s in seqs),
         page_size=page_size,
+        lora=lora,
     )

@@ -3,6 +3,11 @@
 Owns the latent KV cache tensors (the scheduler owns the page allocator) and, on CUDA,
 CUDA graphs of the decode step for a set of batch sizes: a decode-only batch of B ≤ the
 largest captured size is padded to the next captured size and replayed.
+
+With a LoRA slot pool, each size is captured twice: without LoRA (steps in which no
+sequence uses an adapter do no LoRA work) and with it. A LoRA graph owns fixed-size segment
+buffers that each replay rewrites in place; its kernels were captured with grids sized
+from the buffers' capacity, so a replay may hold any mix of adapters.
 """
 
 from __future__ import annotations
@@ -13,7 +18,16 @@ import torch
 
 from inference_svc.engine.batch import BatchMetadata
 from inference_svc.engine.kv_pages import KVCache, KVCacheConfig
+from inference_svc.lora.attach import attach_lora_pool
+from inference_svc.lora.batch import LoraBatch
+from inference_svc.lora.pool import LoraPool
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
+from kernels.lora_segments import (
+    NO_SLOT,
+    LoraSegmentsConfig,
+    allocate_lora_segments,
+    build_lora_segments,
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +56,9 @@ class _DecodeGraph:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV3Model, config: RunnerConfig):
+    def __init__(
+        self, model: DeepseekV3Model, config: RunnerConfig, lora_pool: LoraPool | None = None
+    ):
         self.model = model
         self.config = config
         device = model.embed.weight.device
@@ -53,7 +69,15 @@ class ModelRunner:
             model.dtype,
             device,
         )
-        self._graphs: dict[int, _DecodeGraph] = {}
+        self.lora_pool = lora_pool
+        if lora_pool is not None:
+            attach_lora_pool(model, lora_pool)
+        self._graphs: dict[tuple[int, bool], _DecodeGraph] = {}  # by (size, with LoRA)
+
+    @property
+    def lora_slot_rank(self) -> torch.Tensor | None:
+        """The pool's per-slot ranks, for `build_batch` (None without a pool)."""
+        return None if self.lora_pool is None else self.lora_pool.slot_rank
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
@@ -70,10 +94,24 @@ class ModelRunner:
             return None
         if batch.page_table.shape[1] > self.config.max_pages_per_seq:
             return None
-        fitting = [size for size in self._graphs if size >= batch.num_seqs]
-        return self._graphs[min(fitting)] if fitting else None
+        with_lora = batch.lora is not None
+        fitting = [s for s, lora in self._graphs if lora == with_lora and s >= batch.num_seqs]
+        return self._graphs[min(fitting), with_lora] if fitting else None
 
-    def _static_decode_batch(self, size: int) -> tuple[torch.Tensor, BatchMetadata]:
+    def _static_lora_batch(self, size: int, lora_pool: LoraPool) -> LoraBatch:
+        """Segment buffers of a captured LoRA decode step, describing `size` base tokens."""
+        config = LoraSegmentsConfig(max_tokens=size, num_slots=lora_pool.num_slots)
+        segs = allocate_lora_segments(config, self.device)
+        no_slots = (NO_SLOT,) * size
+        build_lora_segments(no_slots, lora_pool.slot_rank, out=segs)
+        # Warm up with the grid the capture uses (the capacity; the padding segments are
+        # empty), so that Triton compiles every variant before capturing, not during it.
+        segs.num_live_segments = segs.max_segments
+        return LoraBatch(segs, segs, no_slots, no_slots)
+
+    def _static_decode_batch(
+        self, size: int, lora_pool: LoraPool | None
+    ) -> tuple[torch.Tensor, BatchMetadata]:
         """Inputs of a padding-only decode batch: every row reads/writes the scratch page."""
         page_size = self.config.page_size
         scratch = self.kv_cache.scratch_page
@@ -91,6 +129,7 @@ class ModelRunner:
             query_lens=(1,) * size,
             context_lens_host=(1,) * size,
             page_size=page_size,
+            lora=self._static_lora_batch(size, lora_pool) if lora_pool is not None else None,
         )
         return torch.zeros(size, dtype=torch.int64, device=device), batch
 
@@ -100,16 +139,20 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
         pool = None
+        variants = [None] if self.lora_pool is None else [None, self.lora_pool]
         for size in sorted(self.config.cuda_graph_batch_sizes, reverse=True):
-            input_ids, batch = self._static_decode_batch(size)
-            # Warm up outside the graph: Triton compiles and autotunes here.
-            self.model.compute_logits(self.model(input_ids, batch, self.kv_cache))
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model.compute_logits(self.model(input_ids, batch, self.kv_cache))
-            pool = graph.pool()
-            self._graphs[size] = _DecodeGraph(size, graph, input_ids, batch, logits)
+            for lora_pool in variants:
+                input_ids, batch = self._static_decode_batch(size, lora_pool)
+                # Warm up outside the graph: Triton compiles and autotunes here.
+                self.model.compute_logits(self.model(input_ids, batch, self.kv_cache))
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.model(input_ids, batch, self.kv_cache)
+                    logits = self.model.compute_logits(hidden)
+                pool = graph.pool()
+                with_lora = lora_pool is not None
+                self._graphs[size, with_lora] = _DecodeGraph(size, graph, input_ids, batch, logits)
 
     def _replay(self, g: _DecodeGraph, input_ids: torch.Tensor, batch: BatchMetadata):
         n, static = batch.num_seqs, g.batch
@@ -124,5 +167,9 @@ class ModelRunner:
         static.context_lens[:n].copy_(batch.context_lens)
         static.page_table.fill_(scratch)
         static.page_table[:n, : batch.page_table.shape[1]].copy_(batch.page_table)
+        if static.lora is not None and batch.lora is not None:
+            # Rows n.. of the graph's batch get slot -1: padding does no LoRA work.
+            slot_rank = batch.lora.tokens.slot_rank
+            build_lora_segments(batch.lora.token_slots, slot_rank, out=static.lora.tokens)
         g.graph.replay()
         return g.logits[:n][batch.logits_indices]

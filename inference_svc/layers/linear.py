@@ -2,6 +2,7 @@
 
 `attn.qkv_a` = q_a_proj ⊕ kv_a_proj_with_mqa and `mlp.gate_up` = gate_proj ⊕ up_proj are one
 matmul each, exactly like the canonical LoRA modules, so a LoRA delta maps 1:1 onto one call.
+`lora` holds the module's LoRA pool buffers once a pool is attached.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_svc.layers.quant import QuantMethod
+from inference_svc.lora.apply import LoraWeights, add_linear_lora
 from kernels.fp8 import fp8_block_linear, fp8_block_linear_ref
+from kernels.lora_segments import LoraSegments
 
 
 class Linear(nn.Module):
@@ -32,14 +35,21 @@ class Linear(nn.Module):
         self.quant = quant
         quant.check_slices(self.output_sizes)
         quant.create_weights(self, (self.out_features, in_features), dtype, torch.device(device))
+        self.lora: LoraWeights | None = None
+        self.slice_offsets = [sum(self.output_sizes[:i]) for i in range(len(output_sizes) + 1)]
 
     def load(self, kind: str, tensor: torch.Tensor, slice_index: int = 0) -> None:
         """Load checkpoint `tensor` as slice `slice_index` of the fused weight."""
         self.quant.load(self, kind, tensor, sum(self.output_sizes[:slice_index]), None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
+        """x [T, in] → [T, out]; plus each token's LoRA delta when `lora` describes x."""
         info = self.quant.quant_info(self)
         if info.scale is None:
-            return F.linear(x, info.weight)
-        gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref
-        return gemm(x, info.weight, info.scale, info.block)
+            y = F.linear(x, info.weight)
+        else:
+            gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref
+            y = gemm(x, info.weight, info.scale, info.block)
+        if lora is not None and self.lora is not None:
+            add_linear_lora(x, y, self.lora, lora, self.slice_offsets)
+        return y

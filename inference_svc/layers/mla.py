@@ -8,6 +8,10 @@ modules: `qkv_a` (q_a_proj ⊕ kv_a_proj_with_mqa, or kv_a alone when q_lora_ran
 with `q` = q_proj), `q_b`, `kv_b`, `o`. Decode keeps `q_nope` (before absorbing W_UK) and
 `o_lat` (attention output in latent space, before W_UV) as explicit tensors; prefill expands
 K/V from the latent through `kv_b`, so a kv_b LoRA there is an ordinary linear delta.
+
+LoRA (`batch.lora`): qkv_a, q, q_b and o add their deltas inside `Linear`; kv_b's delta is
+added to the expanded K/V in prefill and folded into q_lat / the per-head output around the
+absorbed decode attention (`inference_svc.lora.apply`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from inference_svc.layers.linear import Linear
 from inference_svc.layers.norm import RMSNorm
 from inference_svc.layers.quant import QuantMethod, UnquantizedMethod
 from inference_svc.layers.rope import RotaryEmbedding
+from inference_svc.lora.apply import add_context_lora, add_kv_b_absorbed_o, add_kv_b_absorbed_q
 from inference_svc.model.config import ModelConfig
 from kernels.mla_attention import (
     gather_paged_rows,
@@ -83,13 +88,14 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] → [T, hidden]; writes this step's latent rows into `kv_pool`."""
         tokens = x.shape[0]
-        qkv_a = self.qkv_a(x)
+        lora = batch.lora.tokens if batch.lora is not None else None
+        qkv_a = self.qkv_a(x, lora)
         if self.q_lora_rank is None:
-            q = self.q(x)
+            q = self.q(x, lora)
             kv_a = qkv_a
         else:
             q_a, kv_a = qkv_a.split([self.q_lora_rank, qkv_a.shape[-1] - self.q_lora_rank], -1)
-            q = self.q_b(self.q_a_norm(q_a))
+            q = self.q_b(self.q_a_norm(q_a), lora)
         q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, n], [T, H, R]
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -106,19 +112,25 @@ class MLAAttention(nn.Module):
             out[:decodes] = self._decode(q_nope[:decodes], q_rope[:decodes], batch, kv_pool)
         if decodes < tokens:
             self._prefill(q_nope, q_rope, batch, kv_pool, out)
-        return self.o(out.view(tokens, self.num_heads * self.v_dim))
+        return self.o(out.view(tokens, self.num_heads * self.v_dim), lora)
 
     def _decode(self, q_nope, q_rope, batch: BatchMetadata, kv_pool) -> torch.Tensor:
         """Absorbed attention of the D decode tokens: [D, H, n], [D, H, R] → [D, H, v]."""
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, C]
+        lora = batch.lora.decode_tokens if batch.lora is not None else None
+        if lora is not None and self.kv_b.lora is not None:
+            add_kv_b_absorbed_q(q_nope, q_lat, self.kv_b.lora, lora)
         n = batch.num_decode_seqs
         attend = mla_decode if q_nope.is_cuda else mla_decode_ref
         o_lat = attend(
             q_lat.contiguous(), q_rope.contiguous(), kv_pool,
             batch.page_table[:n], batch.context_lens[:n], self.scale,
         )  # [D, H, C]  # fmt: skip
-        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        out = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [D, H, v]
+        if lora is not None and self.kv_b.lora is not None:
+            add_kv_b_absorbed_o(o_lat, out, self.kv_b.lora, lora)
+        return out
 
     def _prefill(self, q_nope, q_rope, batch: BatchMetadata, kv_pool, out: torch.Tensor) -> None:
         """Naive causal attention of each prefill sequence against its whole cached context."""
@@ -129,7 +141,12 @@ class MLAAttention(nn.Module):
             q_len, ctx = batch.query_lens[b], batch.context_lens_host[b]
             rows = gather_paged_rows(kv_pool, batch.page_table[b], ctx)  # [ctx, C+R]
             latent, k_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-            kv = self.kv_b(latent.to(q_full.dtype)).view(ctx, self.num_heads, -1)
+            latent = latent.to(q_full.dtype)
+            kv = self.kv_b(latent)  # [ctx, H·(n+v)]
+            slot = batch.lora.seq_slots[b] if batch.lora is not None else -1
+            if slot >= 0 and self.kv_b.lora is not None:
+                add_context_lora(latent, kv, self.kv_b.lora, slot)
+            kv = kv.view(ctx, self.num_heads, -1)
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [ctx, H, n], [ctx, H, v]
             k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
             for c0 in range(0, q_len, PREFILL_CHUNK):

@@ -2,6 +2,10 @@
 
 Shape legend: T tokens, k experts per token, P = T·k (token, expert) pairs, E experts,
 I moe_intermediate_size.
+
+LoRA: the dense MLP's (and shared experts') `gate_up` / `down` add their deltas inside
+`Linear`; the routed experts add theirs per pair, to the gate_up output before the
+activation and to the down output before the weighted combine.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ from torch import nn
 
 from inference_svc.layers.linear import Linear
 from inference_svc.layers.quant import QuantInfo, QuantMethod
+from inference_svc.lora.apply import LoraWeights, add_moe_down, add_moe_gate_up
 from inference_svc.model.config import RoutingConfig
 from kernels import fused_moe as fm
+from kernels.lora_segments import LoraSegments
 
 # Row tile of the grouped GEMM: pairs of one expert are padded to a multiple of it.
 MOE_BLOCK_M = 16
@@ -26,10 +32,10 @@ class DenseMLP(nn.Module):
         self.gate_up = Linear(hidden, [inter, inter], quant, dtype, device)
         self.down = Linear(inter, [hidden], quant, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)  # [T, 2·inter]
+    def forward(self, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
+        gate_up = self.gate_up(x, lora)  # [T, 2·inter]
         act = fm.silu_mul(gate_up) if x.is_cuda else fm.silu_mul_ref(gate_up)
-        return self.down(act)
+        return self.down(act, lora)
 
 
 class Router(nn.Module):
@@ -128,8 +134,11 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Router(hidden, routing, device)
         self.experts = RoutedExperts(routing.num_experts, hidden, inter, quant, dtype, device)
+        # The routed experts' LoRA pool buffers (moe.gate_up, moe.down) once attached.
+        self.lora_gate_up: LoraWeights | None = None
+        self.lora_down: LoraWeights | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)  # [T, k]
         w13, w2 = self.experts.quant_info()
         triton_path = x.is_cuda
@@ -137,6 +146,21 @@ class MoE(nn.Module):
         gemm = fm.grouped_gemm if triton_path else fm.grouped_gemm_ref
         top_k = topk_ids.shape[1]
         gate_up = gemm(x, w13.weight, align, top_k, w13.scale, w13.block)  # [P, 2I]
+        with_lora = (
+            lora is not None and self.lora_gate_up is not None and self.lora_down is not None
+        )
+        if with_lora:
+            pair_token, pair_expert = _pairs(topk_ids)
+            add_moe_gate_up(x, gate_up, self.lora_gate_up, pair_token, pair_expert, lora)
         act = (fm.silu_mul if triton_path else fm.silu_mul_ref)(gate_up)  # [P, I]
         pair_out = gemm(act, w2.weight, align, 1, w2.scale, w2.block)  # [P, hidden]
+        if with_lora:
+            add_moe_down(act, pair_out, self.lora_down, pair_token, pair_expert, lora)
         return (fm.moe_combine if triton_path else fm.moe_combine_ref)(pair_out, topk_weights)
+
+
+def _pairs(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 token [P] and expert [P] of each pair p = t·k + j (the intermediates' order)."""
+    tokens, top_k = topk_ids.shape
+    pair_token = torch.arange(tokens * top_k, device=topk_ids.device, dtype=torch.int32) // top_k
+    return pair_token, topk_ids.flatten().to(torch.int32)

@@ -1,15 +1,28 @@
-"""`--model tiny`: a tiny random DeepSeek-V3 built in memory, for smoke tests and demos.
-
-One function is the seam: a later issue replaces it with a small trained model.
+"""`--model tiny`: the small trained DeepSeek-V3 shipped in `inference_svc/embedded/base`
+(see docs/demo_model.md); plus a tiny random DeepSeek-V3 built in memory for tests that
+want one without a checkpoint.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from inference_svc.model.config import parse_config
 from inference_svc.model.loader import LoadedModel, build_model
 from inference_svc.model.tokenizer import ByteTokenizer
+
+# What `--model tiny` serves: an HF folder with config.json, safetensors and tokenizer.json.
+EMBEDDED_BASE_DIR = Path(__file__).resolve().parents[1] / "embedded" / "base"
+EMBEDDED_ADAPTERS_DIR = EMBEDDED_BASE_DIR.parent / "adapters"
+TINY_MODEL_NAME = "tiny"
+
+
+def model_folder(model: str) -> Path:
+    """The HF folder `--model` names: the embedded demo model for "tiny", else the path."""
+    return EMBEDDED_BASE_DIR if model == TINY_MODEL_NAME else Path(model)
+
 
 TINY_CONFIG = {
     "model_type": "deepseek_v3",

@@ -39,11 +39,12 @@ class DecoderLayer(nn.Module):
     def forward(self, h, batch, rope, cos_sin, kv_pool) -> torch.Tensor:
         h = h + self.attn(self.input_norm(h), batch, rope, cos_sin, kv_pool)
         x = self.post_attn_norm(h)
+        lora = batch.lora.tokens if batch.lora is not None else None
         if self.moe is None:
-            return h + self.mlp(x)
-        ffn = self.moe(x)
+            return h + self.mlp(x, lora)
+        ffn = self.moe(x, lora)
         if self.mlp is not None:
-            ffn = ffn + self.mlp(x)
+            ffn = ffn + self.mlp(x, lora)
         return h + ffn
 
 

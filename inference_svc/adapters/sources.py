@@ -1,0 +1,68 @@
+"""Where a replica downloads canonical adapters from: S3 directly (parallel ranged GETs, the
+fast path) or the store's `FetchAdapter` stream (when the replica has no S3 access).
+
+Both verify the weights' sha256 against the store's record before anything parses them, and
+are called from worker threads (they block).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import grpc
+
+from adapter_store.errors import FailedPrecondition, InvalidArgument
+from adapter_store.format import CanonicalAdapter, deserialize
+from inference_svc.adapters.s3_fetch import S3AdapterFetcher
+from inference_svc.adapters.store_errors import from_store_error
+from inference_svc.engine.sequence import AdapterBinding
+
+
+class AdapterSource(Protocol):
+    tier: str  # metrics label of the download ("s3" or "store")
+
+    def fetch(self, adapter: AdapterBinding) -> CanonicalAdapter:
+        """Download, verify and deserialize one adapter version (blocking)."""
+        ...
+
+
+class S3Source:
+    tier = "s3"
+
+    def __init__(self, fetcher: S3AdapterFetcher) -> None:
+        self._fetcher = fetcher
+
+    def fetch(self, adapter: AdapterBinding) -> CanonicalAdapter:
+        return self._fetcher.fetch(
+            adapter.tenant, adapter.name, adapter.version, adapter.sha256
+        ).adapter
+
+
+class StoreFetchSource:
+    """`FetchAdapter` through the async store client, which lives on the service's loop."""
+
+    tier = "store"
+
+    def __init__(self, client: Any, address: str, loop: asyncio.AbstractEventLoop) -> None:
+        self._client = client
+        self._address = address
+        self._loop = loop
+
+    def fetch(self, adapter: AdapterBinding) -> CanonicalAdapter:
+        ref = f"{adapter.name}@{adapter.version}"
+        call = asyncio.run_coroutine_threadsafe(self._client.fetch_adapter(ref), self._loop)
+        try:
+            fetched = call.result()
+        except grpc.RpcError as error:
+            raise from_store_error(error, self._address, f"fetching adapter {ref}") from None
+        if fetched.adapter.sha256 != adapter.sha256:
+            raise FailedPrecondition(
+                f"adapter {ref}: the store sent weights with sha256 {fetched.adapter.sha256}, "
+                f"its record said {adapter.sha256}"
+            )
+        try:
+            # The client verified the bytes against the record; the manifest must agree too.
+            return deserialize(fetched.weights, fetched.manifest_json, verify=True)
+        except InvalidArgument as exc:
+            raise FailedPrecondition(f"adapter {ref}: fetched weights are unusable: {exc}") from None

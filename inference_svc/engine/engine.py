@@ -1,0 +1,370 @@
+"""The engine step: schedule → run → postprocess, on one thread.
+
+`LLMEngine` is single-threaded and has no clock of its own: `EngineLoop`
+(`inference_svc.engine.engine_loop`) drives it from a dedicated thread, and CPU tests can
+drive `step()` directly. Outputs leave through each sequence's sink.
+
+A step that raises is retried one sequence at a time, so a request whose step fails is
+finished with an error and the others go on (re-running a sequence rewrites the same KV
+rows, so the retry is exact).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import torch
+from torch import Tensor
+
+from adapter_store.errors import LoraserveError
+from inference_svc.adapters.residency_publisher import ResidencyEntry
+from inference_svc.engine.batch import SequenceStep, build_batch
+from inference_svc.engine.model_runner import ModelRunner
+from inference_svc.engine.sampling import make_generator, sample
+from inference_svc.engine.scheduler import PrefetchTicket, ScheduledSeq, Scheduler
+from inference_svc.engine.sequence import (
+    AdapterKey,
+    FinishReason,
+    Sequence,
+    SequenceOutput,
+)
+from inference_svc.metrics import BASE_LABEL, InferenceMetrics
+
+log = logging.getLogger("loraserve.engine")
+
+
+class RequestFailed(LoraserveError):
+    """A request's own step raised: it is finished, the server goes on (gRPC INTERNAL)."""
+
+
+@dataclass(frozen=True)
+class LoadedAdapterInfo:
+    """One adapter version this replica holds (ListLoadedAdapters)."""
+
+    tenant: str
+    name: str
+    version: int
+    tier: str  # "gpu" | "host" | "loading"
+    slot: int  # -1 when not in a GPU slot
+    rank: int
+    pinned: bool
+    last_used: str  # RFC 3339 UTC, "" when never used
+    size_bytes: int
+    active_requests: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int
+    running: int
+    kv_pages_free: int
+    kv_pages_total: int
+    slots_total: int
+    slots_used: int
+    slot_refs: int
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, metrics: InferenceMetrics):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.device = runner.device
+        self.page_size = scheduler.config.page_size
+        metrics.kv_pages_total.set(scheduler.config.num_pages)
+        metrics.slots_total.set(scheduler.slots.max_loras)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue `seq`; raises ResourceExhausted when admission control refuses it."""
+        seq.generator = make_generator(seq.params.sampling.seed, self.device)
+        self.scheduler.add(seq)
+        self.metrics.queue_depth.set(self.scheduler.num_waiting)
+
+    def abort(self, request_id: str) -> bool:
+        """Client cancelled or its deadline passed: free its pages and slot now."""
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, FinishReason.CANCELLED)
+        self._emit(seq, SequenceOutput(request_id, [], "", [], None, FinishReason.CANCELLED))
+        return True
+
+    def prefetch(self, ticket: PrefetchTicket) -> None:
+        self.scheduler.prefetch(ticket)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def fail_all(self, error: LoraserveError) -> None:
+        """Last resort after a scheduler bug: end every request with `error`."""
+        for seq in list(self.scheduler.running) + self.scheduler.waiting():
+            self._fail(seq, error)
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> int:
+        """One scheduling round; returns the number of tokens run (0: nothing to run)."""
+        out = self.scheduler.schedule()
+        for seq, error in out.failed:
+            self._emit_error(seq, error)
+        if not out.scheduled:
+            self._update_gauges()
+            return 0
+        for load in out.slot_loads:
+            load.wait_on()
+        results = self._run(out.scheduled)
+        self._postprocess(results)
+        self.metrics.batch_tokens.observe(out.num_tokens)
+        self.metrics.batch_seqs.observe(len(out.scheduled))
+        adapters = {s.seq.adapter_key for s in out.scheduled} - {None}
+        self.metrics.batch_adapters.observe(len(adapters))
+        self._update_gauges()
+        return out.num_tokens
+
+    def _run(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, Tensor]]:
+        """Logits rows of each scheduled sequence: its new tokens (prompt logprobs) or its
+        last one."""
+        try:
+            return self._split(scheduled, self._execute(scheduled))
+        except Exception as exc:
+            if len(scheduled) == 1:
+                self._fail_step(scheduled[0].seq, exc)
+                return []
+            log.warning(
+                "a step of %d sequences raised %s; running them one by one",
+                len(scheduled),
+                type(exc).__name__,
+            )
+        results = []
+        for one in scheduled:
+            try:
+                results += self._split([one], self._execute([one]))
+            except Exception as exc:
+                self._fail_step(one.seq, exc)
+        return results
+
+    def _execute(self, scheduled: list[ScheduledSeq]) -> Tensor:
+        steps = [self._sequence_step(s) for s in scheduled]
+        input_ids = [
+            token
+            for s in scheduled
+            for token in s.seq.token_ids(s.seq.num_computed, s.seq.num_computed + s.query_len)
+        ]
+        batch = build_batch(steps, self.page_size, self.device, self.runner.lora_slot_rank)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
+        return self.runner.execute(ids, batch)  # [L, V]
+
+    @staticmethod
+    def _sequence_step(s: ScheduledSeq) -> SequenceStep:
+        seq = s.seq
+        return SequenceStep(
+            seq.num_computed, s.query_len, tuple(seq.pages), s.all_logits, seq.lora_slot
+        )
+
+    @staticmethod
+    def _split(scheduled: list[ScheduledSeq], logits: Tensor) -> list[tuple[ScheduledSeq, Tensor]]:
+        results, row = [], 0
+        for s in scheduled:
+            rows = s.query_len if s.all_logits else 1
+            results.append((s, logits[row : row + rows]))  # [rows, V]
+            row += rows
+        return results
+
+    def _postprocess(self, results: list[tuple[ScheduledSeq, Tensor]]) -> None:
+        to_sample: list[tuple[Sequence, Tensor]] = []
+        for s, rows in results:
+            seq = s.seq
+            if s.all_logits:
+                self._score_prompt(seq, rows)
+            seq.num_computed += s.query_len
+            if seq.preemptions == 0 and seq.num_computed <= len(seq.prompt_token_ids):
+                self.metrics.prompt_tokens.inc(s.query_len)
+            if seq.num_computed == seq.num_tokens:
+                to_sample.append((seq, rows[-1]))
+        if not to_sample:
+            return
+        logits = torch.stack([row for _, row in to_sample])  # [B, V]
+        seqs = [seq for seq, _ in to_sample]
+        drawn = sample(logits, [s.params.sampling for s in seqs], [s.generator for s in seqs])
+        for seq, token, logprob in zip(
+            seqs, drawn.token_ids.tolist(), drawn.logprobs.tolist(), strict=True
+        ):
+            try:
+                self._append_token(seq, token, logprob)
+            except Exception as exc:
+                self._fail_step(seq, exc)
+
+    def _score_prompt(self, seq: Sequence, rows: Tensor) -> None:
+        """Row j of a chunk starting at position p predicts the token at p + j + 1."""
+        start = seq.num_computed
+        first = len(seq.prompt_logprobs) + 1  # next prompt position to score
+        last = min(start + rows.shape[0], len(seq.prompt_token_ids) - 1)
+        if last < first:
+            return
+        picked = rows[first - start - 1 : last - start].float()  # [n, V]
+        targets = torch.tensor(seq.prompt_token_ids[first : last + 1], device=rows.device)
+        logprobs = torch.log_softmax(picked, dim=-1).gather(1, targets[:, None]).squeeze(1)
+        seq.prompt_logprobs.extend(logprobs.tolist())
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float) -> None:
+        now = time.monotonic()
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+            self.metrics.ttft.observe(now - seq.arrival_s)
+        else:
+            self.metrics.itl.observe(now - (seq.last_token_s or now))
+        seq.last_token_s = now
+        seq.output_token_ids.append(token)
+        self.metrics.generated_tokens.inc()
+        self.metrics.adapter_tokens.labels(_adapter_label(seq)).inc()
+
+        delta = seq.detokenizer.add([token])
+        reason = None
+        if delta.stopped or token in seq.params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif token in seq.eos_token_ids:
+            reason = FinishReason.EOS
+        elif len(seq.output_token_ids) >= seq.params.max_new_tokens:
+            reason = FinishReason.LENGTH
+        elif seq.num_tokens >= self.scheduler.config.max_model_len:
+            reason = FinishReason.LENGTH
+        text = delta.text
+        if reason is not None and not delta.stopped:
+            text += seq.detokenizer.finish()
+        if reason is not None:
+            self._finish(seq, reason)
+        output = SequenceOutput(
+            seq.request_id,
+            [token],
+            text,
+            [logprob] if seq.params.logprobs else [],
+            self._take_prompt_logprobs(seq),
+            reason,
+        )
+        self._emit(seq, output)
+
+    def _take_prompt_logprobs(self, seq: Sequence) -> list[float] | None:
+        if not seq.params.prompt_logprobs or seq.prompt_logprobs_sent:
+            return None
+        seq.prompt_logprobs_sent = True
+        return list(seq.prompt_logprobs)
+
+    # -- endings --------------------------------------------------------------------------
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(seq, reason)
+        self.metrics.requests.labels(_adapter_label(seq), reason.value).inc()
+
+    def _fail_step(self, seq: Sequence, exc: Exception) -> None:
+        log.error("request %s failed in its step", seq.request_id, exc_info=exc)
+        error = RequestFailed(
+            f"request {seq.request_id} failed inside the model step ({type(exc).__name__})"
+        )
+        self._fail(seq, error)
+
+    def _fail(self, seq: Sequence, error: LoraserveError) -> None:
+        self._finish(seq, FinishReason.ERROR)
+        self._emit_error(seq, error)
+
+    def _emit_error(self, seq: Sequence, error: LoraserveError) -> None:
+        output = SequenceOutput(seq.request_id, [], "", [], None, FinishReason.ERROR, error)
+        self._emit(seq, output)
+
+    def _emit(self, seq: Sequence, output: SequenceOutput) -> None:
+        if seq.sink is None:
+            return
+        try:
+            seq.sink(output)
+        except RuntimeError:  # the client's event loop is gone (server shutting down)
+            log.debug("dropped output of %s: no receiver", seq.request_id)
+
+    # -- state for the control RPCs, metrics and the residency publisher ------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        slots = s.slots.metrics()
+        return EngineStats(
+            waiting=s.num_waiting,
+            running=s.num_running,
+            kv_pages_free=s.pages.num_free,
+            kv_pages_total=s.config.num_pages,
+            slots_total=slots.max_loras,
+            slots_used=slots.occupied,
+            slot_refs=sum(s.slots.refs(key) for key, _ in s.slots.resident()),
+        )
+
+    def _update_gauges(self) -> None:
+        s = self.scheduler
+        self.metrics.queue_depth.set(s.num_waiting)
+        self.metrics.running.set(s.num_running)
+        self.metrics.kv_pages_used.set(s.config.num_pages - s.pages.num_free)
+        self.metrics.slots_used.set(s.slots.metrics().occupied)
+        s.residency.update_gauges()
+
+    def loaded_adapters(self) -> list[LoadedAdapterInfo]:
+        """Every adapter version on the GPU, in the host cache, or being fetched."""
+        residency = self.residency
+        slots = self.scheduler.slots
+        found: dict[AdapterKey, LoadedAdapterInfo] = {}
+
+        def info(key: AdapterKey, tier: str, slot: int, size: int) -> LoadedAdapterInfo:
+            binding = residency.bindings[key]
+            used = residency.last_used.get(key)
+            return LoadedAdapterInfo(
+                tenant=binding.tenant,
+                name=binding.name,
+                version=binding.version,
+                tier=tier,
+                slot=slot,
+                rank=binding.rank,
+                pinned=slots.is_pinned(key),
+                last_used="" if used is None else _rfc3339(used),
+                size_bytes=size,
+                active_requests=slots.refs(key),
+            )
+
+        for key in residency.fetching():
+            found[key] = info(key, "loading", -1, residency.bindings[key].size_bytes)
+        for entry in residency.host_entries():
+            found[entry.key] = info(entry.key, "host", -1, entry.size_bytes)
+        for key, slot in slots.resident():
+            size = found[key].size_bytes if key in found else residency.bindings[key].size_bytes
+            found[key] = info(key, "gpu", slot, size)
+        return sorted(found.values(), key=lambda a: (a.tenant, a.name, a.version))
+
+    def residency_entries(self) -> list[ResidencyEntry]:
+        """What the residency publisher writes to Redis."""
+        return [
+            ResidencyEntry(
+                a.tenant, a.name, a.version, a.tier, None if a.slot < 0 else a.slot, a.pinned
+            )
+            for a in self.loaded_adapters()
+            if a.tier in ("gpu", "host")
+        ]
+
+    def residency_token(self) -> tuple[int, ...]:
+        """Changes whenever residency may have changed (cheap to poll every step)."""
+        host = self.residency.host_cache.metrics()
+        return (self.scheduler.residency_version, host.inserts, host.evictions, host.entries)
+
+    @property
+    def residency(self):
+        return self.scheduler.residency
+
+    def unload(self, key: AdapterKey) -> bool:
+        return self.scheduler.unload(key)
+
+
+def _adapter_label(seq: Sequence) -> str:
+    return BASE_LABEL if seq.adapter is None else seq.adapter.name
+
+
+def _rfc3339(unix_s: float) -> str:
+    return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z"
+    )

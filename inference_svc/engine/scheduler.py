@@ -1,0 +1,386 @@
+"""Continuous batching across adapters: the only owner of KV pages and LoRA slots.
+
+Each step mixes decodes and prefill chunks under a token budget:
+
+1. Running sequences, oldest first: a decode takes 1 token, a prefill in progress its next
+   chunk. When KV pages run out, the youngest running sequence is preempted (its pages are
+   freed and it is recomputed later: it goes back to the front of the queue keeping its
+   output and its slot reference), until the older one fits.
+2. Waiting sequences are admitted while budget, sequence slots and pages remain: first the
+   preempted ones, then round-robin over adapters (one request per adapter per turn), so one
+   hot adapter cannot starve the rest. A request whose adapter is not in a GPU slot yet does
+   not hold the others up: its adapter is fetched (host cache) and copied into a slot in
+   the background and the request is admitted on a later step.
+
+LoadAdapter requests (prefetch, optionally pin) go through the same adapter path as
+`PrefetchTicket`s, so slot assignment stays in one place.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from adapter_store.errors import LoraserveError, ResourceExhausted
+from inference_svc.adapters.residency import AdapterResidency, HostState
+from inference_svc.engine.kv_pages import PageAllocator, pages_for
+from inference_svc.engine.lora_slots import LoraSlotAllocator
+from inference_svc.engine.sequence import (
+    AdapterBinding,
+    AdapterKey,
+    FinishReason,
+    Sequence,
+    SequenceStatus,
+)
+from inference_svc.lora.pool import SlotLoad
+from inference_svc.metrics import InferenceMetrics
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_pages: int
+    page_size: int
+    max_model_len: int  # prompt + generated tokens of one request
+    max_num_seqs: int = 64  # running sequences at once
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_waiting: int = 256  # queued requests before new ones are refused
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_model_len", "max_num_seqs", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}): every running decode needs a token"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    query_len: int
+    all_logits: bool  # logits of every new token (prompt logprobs), else only the last
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
+    slot_loads: list[SlotLoad] = field(default_factory=list)  # copies the step must wait for
+    failed: list[tuple[Sequence, LoraserveError]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.query_len for s in self.scheduled)
+
+
+@dataclass
+class PrefetchTicket:
+    """A LoadAdapter call waiting for its adapter to be in a GPU slot."""
+
+    adapter: AdapterBinding
+    pin: bool
+    future: Future  # result: load seconds (0.0 when it was already in a slot)
+    started: float = field(default_factory=time.perf_counter)
+    was_resident: bool = False
+
+
+class _Progress(enum.Enum):
+    READY = "ready"
+    WAIT = "wait"
+    FAILED = "failed"
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        slots: LoraSlotAllocator,
+        residency: AdapterResidency,
+        metrics: InferenceMetrics,
+    ) -> None:
+        self.config = config
+        self.pages = PageAllocator(config.num_pages)
+        self.slots = slots
+        self.residency = residency
+        self.metrics = metrics
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self._preempted: deque[Sequence] = deque()
+        # Waiting requests per adapter (None: base model), in round-robin order.
+        self._queues: OrderedDict[AdapterKey, deque[Sequence]] = OrderedDict()
+        self._by_id: dict[str, Sequence] = {}
+        self._tickets: list[PrefetchTicket] = []
+        self._slot_loads: list[SlotLoad] = []
+        self._failed_now: list[tuple[Sequence, LoraserveError]] = []
+        self.residency_version = 0  # bumped whenever a slot or host entry changes
+
+    # -- admission ------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._preempted) + sum(len(q) for q in self._queues.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def waiting(self) -> list[Sequence]:
+        return [*self._preempted, *(seq for q in self._queues.values() for seq in q)]
+
+    def has_work(self) -> bool:
+        return bool(self.running or self._preempted or self._queues or self._tickets)
+
+    def check_admission(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise ResourceExhausted for a request this server cannot take now or ever."""
+        c = self.config
+        if prompt_len + max_new_tokens > c.max_model_len:
+            raise ResourceExhausted(
+                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds this "
+                f"server's max model length of {c.max_model_len} tokens"
+            )
+        if pages_for(prompt_len + max_new_tokens, c.page_size) > c.num_pages:
+            raise ResourceExhausted(
+                f"{prompt_len + max_new_tokens} tokens need more KV cache than this server has "
+                f"({c.num_pages} pages of {c.page_size} tokens)"
+            )
+        if self.num_waiting >= c.max_waiting:
+            raise ResourceExhausted(
+                f"the request queue is full ({c.max_waiting} waiting); retry later"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request (after `check_admission`)."""
+        if seq.request_id in self._by_id:
+            raise ResourceExhausted(f"request id {seq.request_id!r} is already running")
+        self.check_admission(len(seq.prompt_token_ids), seq.params.max_new_tokens)
+        if seq.adapter is not None:
+            hit = self.slots.is_ready(seq.adapter_key)
+            (self.metrics.slot_hits if hit else self.metrics.slot_misses).inc()
+        self._by_id[seq.request_id] = seq
+        self._queues.setdefault(seq.adapter_key, deque()).append(seq)
+
+    def prefetch(self, ticket: PrefetchTicket) -> None:
+        ticket.was_resident = self.slots.is_ready(ticket.adapter.key)
+        self._tickets.append(ticket)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    # -- finishing ------------------------------------------------------------------------
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a request wherever it is; frees its pages and slot reference at once."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self._preempted:
+            self._preempted.remove(seq)
+        else:
+            queue = self._queues.get(seq.adapter_key)
+            if queue is not None and seq in queue:
+                queue.remove(seq)
+                if not queue:
+                    del self._queues[seq.adapter_key]
+        self._free_pages(seq)
+        if seq.slot_handle is not None:
+            self.slots.release(seq.slot_handle)
+            seq.slot_handle = None
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._by_id.pop(seq.request_id, None)
+
+    def _free_pages(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.pages.free(seq.pages)
+            seq.pages = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: free the pages, keep the output and the slot reference."""
+        self.running.remove(seq)
+        self._free_pages(seq)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        seq.preemptions += 1
+        # Victims are taken youngest first, so each one is older than those queued before.
+        self._preempted.appendleft(seq)
+        self.metrics.preemptions.inc()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.residency.poll()
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        self._serve_tickets()
+        self._admit(out, budget)
+        # Decodes first: the batch layout puts 1-token sequences before prefill chunks.
+        out.scheduled.sort(key=lambda s: s.query_len != 1)
+        self._slot_loads = [load for load in self._slot_loads if not load.done()]
+        out.slot_loads = list(self._slot_loads)
+        out.failed, self._failed_now = self._failed_now, []
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running):
+            seq = self.running[index]
+            want = 1 if seq.num_remaining == 1 else min(seq.num_remaining, budget)
+            if want == 0:
+                index += 1
+                continue
+            if not self._reserve_pages(seq, want):
+                continue  # `seq` itself was preempted; the list shifted
+            out.scheduled.append(ScheduledSeq(seq, want, seq.wants_prompt_logprobs))
+            budget -= want
+            index += 1
+        return budget
+
+    def _reserve_pages(self, seq: Sequence, tokens: int) -> bool:
+        """Pages for `tokens` more tokens of a running `seq`, preempting the youngest running
+        sequences as needed; False when `seq` itself had to be preempted."""
+        while True:
+            needed = pages_for(seq.num_computed + tokens, self.config.page_size) - len(seq.pages)
+            if self.pages.can_allocate(needed):
+                seq.pages.extend(self.pages.allocate(max(needed, 0)))
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self._preempted and self._room(budget):
+            if not self._start(self._preempted[0], out, budget):
+                return
+            budget -= out.scheduled[-1].query_len
+            self._preempted.popleft()
+        progress = True
+        while progress and self._room(budget):
+            progress = False
+            for key in list(self._queues):
+                if not self._room(budget):
+                    return
+                queue = self._queues[key]
+                if not self._adapter_ready(queue[0], key):
+                    continue
+                if not self._start(queue[0], out, budget):
+                    return  # KV pages are short: admit nobody else this step
+                budget -= out.scheduled[-1].query_len
+                queue.popleft()
+                if queue:
+                    self._queues.move_to_end(key)  # its next request waits its turn
+                else:
+                    del self._queues[key]
+                progress = True
+
+    def _room(self, budget: int) -> bool:
+        return budget > 0 and len(self.running) < self.config.max_num_seqs
+
+    def _start(self, seq: Sequence, out: SchedulerOutput, budget: int) -> bool:
+        """Admit `seq` with its first chunk if the whole sequence fits in free pages now."""
+        page_size = self.config.page_size
+        if pages_for(seq.num_tokens + 1, page_size) > self.pages.num_free:
+            return False
+        chunk = min(seq.num_remaining, budget)
+        seq.pages = self.pages.allocate(pages_for(chunk, page_size))
+        if seq.adapter is not None and seq.slot_handle is None:
+            seq.slot_handle = self.slots.acquire(seq.adapter_key)
+            self.residency.touch(seq.adapter_key)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, chunk, seq.wants_prompt_logprobs))
+        return True
+
+    # -- adapters -------------------------------------------------------------------------
+
+    def _adapter_ready(self, head: Sequence, key: AdapterKey) -> bool:
+        """Whether requests of `key` can start now; moves the adapter along otherwise."""
+        if head.adapter is None:
+            return True
+        progress, error = self._advance_adapter(head.adapter)
+        if error is not None:
+            self._fail_adapter(key, error)
+        return progress is _Progress.READY
+
+    def _fail_adapter(self, key: AdapterKey, error: LoraserveError) -> None:
+        """The adapter cannot be loaded: fail the requests and LoadAdapter calls waiting
+        for it (later ones try again)."""
+        for seq in list(self._queues.get(key, ())):
+            self.finish(seq, FinishReason.ERROR)
+            self._failed_now.append((seq, error))
+        for ticket in [t for t in self._tickets if t.adapter.key == key]:
+            self._tickets.remove(ticket)
+            ticket.future.set_exception(error)
+
+    def _advance_adapter(
+        self, adapter: AdapterBinding
+    ) -> tuple[_Progress, LoraserveError | None]:
+        key = adapter.key
+        if self.slots.is_ready(key):
+            return _Progress.READY, None
+        if self.slots.slot_of(key) is not None:
+            return _Progress.WAIT, None
+        state = self.residency.host_state(key)
+        if state is HostState.FAILED:
+            return _Progress.FAILED, self.residency.take_failure(key)
+        if state is HostState.FETCHING:
+            return _Progress.WAIT, None
+        if state is HostState.ABSENT:
+            self.residency.start_fetch(adapter)
+            return _Progress.WAIT, None
+        if not self.slots.can_allocate(key):
+            return _Progress.WAIT, None  # every slot is in use: wait for one to free up
+        handle = self.slots.acquire(key)
+        try:
+            copy = self.residency.load_into_slot(handle.slot, key)
+        except LoraserveError as error:
+            self.slots.mark_load_failed(key)
+            self.slots.release(handle)
+            self.metrics.adapter_load_failures.labels(error.code.name).inc()
+            return _Progress.FAILED, error
+        if copy is None:  # evicted from the host cache since it was fetched: fetch again
+            self.slots.mark_load_failed(key)
+            self.slots.release(handle)
+            self.residency.start_fetch(adapter)
+            return _Progress.WAIT, None
+        self.slots.mark_loaded(key)
+        self.slots.release(handle)
+        self._slot_loads.append(copy.load)
+        if handle.evicted is not None:
+            self.metrics.slot_evictions.inc()
+        self.residency_version += 1
+        return _Progress.READY, None
+
+    def _serve_tickets(self) -> None:
+        for ticket in list(self._tickets):
+            if ticket not in self._tickets:
+                continue  # failed with an earlier ticket of the same adapter
+            if ticket.future.cancelled():
+                self._tickets.remove(ticket)
+                continue
+            progress, error = self._advance_adapter(ticket.adapter)
+            if error is not None:
+                self._fail_adapter(ticket.adapter.key, error)
+            elif progress is _Progress.READY:
+                self._tickets.remove(ticket)
+                if ticket.pin:
+                    self.slots.pin(ticket.adapter.key)
+                    self.residency_version += 1
+                self.residency.touch(ticket.adapter.key)
+                seconds = 0.0 if ticket.was_resident else time.perf_counter() - ticket.started
+                ticket.future.set_result(seconds)
+
+    def unload(self, key: AdapterKey) -> bool:
+        """UnloadAdapter: unpin, free the slot and drop the host copy; whether any was held.
+        Raises ResourceExhausted while running requests use it."""
+        slot = self.slots.unload(key)
+        if slot is not None:
+            self.residency.unload_slot(slot)
+        held = self.residency.host_cache.discard(key) or slot is not None
+        if held:
+            self.residency_version += 1
+        return held

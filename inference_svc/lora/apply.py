@@ -1,0 +1,125 @@
+"""The LoRA deltas the model's layers add, each on the pool buffers of one module instance.
+
+Every function adds in place to the base layer's output and picks the Triton launcher on
+CUDA, the torch reference on the CPU (names looked up at call time, so a CPU test can route
+the model through the interpreted launchers). Tokens whose slot is -1 get nothing added.
+
+Shape legend: T tokens, D decode tokens, H heads, C kv_lora_rank, P = T·k routed
+(token, expert) pairs, S pool slots, R pool rank, E experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from kernels.lora_segments import LoraSegments
+from kernels.mla_lora import (
+    mla_kv_b_lora_o,
+    mla_kv_b_lora_o_ref,
+    mla_kv_b_lora_q,
+    mla_kv_b_lora_q_ref,
+)
+from kernels.moe_lora import (
+    moe_lora_down,
+    moe_lora_down_ref,
+    moe_lora_gate_up,
+    moe_lora_gate_up_ref,
+)
+from kernels.sgmv import sgmv_expand, sgmv_expand_ref, sgmv_shrink, sgmv_shrink_ref
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One module instance's pool buffers (views, so slot loads show through).
+
+    a: [S, stack·R, in] (MoE: [S, E, stack·R, in]); b: [S, out, R] (MoE: [S, E, out, R]).
+    """
+
+    a: Tensor
+    b: Tensor
+
+
+def add_linear_lora(
+    x: Tensor, out: Tensor, weights: LoraWeights, segs: LoraSegments, slice_offsets: Sequence[int]
+) -> None:
+    """Semantics: out[t, o_i:o_i+1] += B_i[slot(t)] · (A_i[slot(t)] · x[t]) per stacked slice i.
+
+    Args:
+        x: [T, in] the linear's input; out: [T, out] its output, written in place.
+        slice_offsets: S+1 column offsets of the stacked slices (0 first, out last).
+    """
+    num_slices = len(slice_offsets) - 1
+    if x.is_cuda:
+        y = sgmv_shrink(x, weights.a, segs, num_slices)  # [T, S·R] float32
+        sgmv_expand(y, weights.b, out, segs, slice_offsets)
+    else:
+        y = sgmv_shrink_ref(x, weights.a, segs, num_slices)
+        sgmv_expand_ref(y, weights.b, out, segs, slice_offsets)
+
+
+def add_context_lora(latent: Tensor, out: Tensor, weights: LoraWeights, slot: int) -> None:
+    """Semantics: out += (latent · A[slot]ᵀ) · B[slot]ᵀ for one sequence's rows.
+
+    Prefill expands K/V (kv_b) from a sequence's whole cached context, every row of which
+    belongs to the sequence's one adapter: two plain matmuls, no segments. Unused rank
+    columns of the slot are zero, so the full pool rank is exact.
+    Args:
+        latent: [ctx, C]; out: [ctx, H·(nope+v)], written in place.
+    """
+    out += (latent @ weights.a[slot].T) @ weights.b[slot].T  # [ctx, R] → [ctx, H·(nope+v)]
+
+
+def add_kv_b_absorbed_q(
+    q_nope: Tensor, q_lat: Tensor, weights: LoraWeights, segs: LoraSegments
+) -> None:
+    """Semantics: q_lat[t,h] += (q_nope[t,h] · B_k[slot,h]) · A[slot] (absorbed decode query).
+
+    Args: q_nope [D, H, nope]; q_lat [D, H, C] written in place.
+    """
+    apply = mla_kv_b_lora_q if q_nope.is_cuda else mla_kv_b_lora_q_ref
+    apply(q_nope, q_lat, weights.a, weights.b, segs)
+
+
+def add_kv_b_absorbed_o(o_lat: Tensor, o: Tensor, weights: LoraWeights, segs: LoraSegments) -> None:
+    """Semantics: o[t,h] += (o_lat[t,h] · A[slot]ᵀ) · B_v[slot,h]ᵀ (absorbed decode output).
+
+    Args: o_lat [D, H, C]; o [D, H, v] written in place.
+    """
+    apply = mla_kv_b_lora_o if o_lat.is_cuda else mla_kv_b_lora_o_ref
+    apply(o_lat, o, weights.a, weights.b, segs)
+
+
+def add_moe_gate_up(
+    x: Tensor,
+    inter: Tensor,
+    weights: LoraWeights,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+) -> None:
+    """Semantics: inter[p] += B[slot, e] · (A[slot, e] · x[tok(p)]) per gate/up slice.
+
+    Args: x [T, hidden]; inter [P, 2·I] per-pair gate_up output, written in place;
+    pair_token / pair_expert int32 [P].
+    """
+    apply = moe_lora_gate_up if x.is_cuda else moe_lora_gate_up_ref
+    apply(x, inter, weights.a, weights.b, pair_token, pair_expert, segs)
+
+
+def add_moe_down(
+    act: Tensor,
+    down_out: Tensor,
+    weights: LoraWeights,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+) -> None:
+    """Semantics: down_out[p] += B[slot, e] · (A[slot, e] · act[p]) before the combine.
+
+    Args: act [P, I]; down_out [P, hidden] written in place; pair_token / pair_expert [P].
+    """
+    apply = moe_lora_down if act.is_cuda else moe_lora_down_ref
+    apply(act, down_out, weights.a, weights.b, pair_token, pair_expert, segs)

@@ -1,0 +1,74 @@
+"""LoRA part of a step's batch metadata: which pool slot each token and sequence uses.
+
+Built once per step by `inference_svc.engine.batch.build_batch` (from `SequenceStep.lora_slot`)
+and read by every LoRA-carrying layer. The step's tokens are laid out decodes first, so the
+absorbed decode path (rows [0, D)) gets segments of its own: a segment of the whole step may
+run across the decode/prefill boundary when both sides use the same slot.
+
+The scheduler should order sequences so that those of one adapter are adjacent (within the
+decodes and within the prefills): the segment builder never reorders tokens, so an
+interleaved batch stays exact but makes more, shorter segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.lora_segments import NO_SLOT, LoraSegments, build_lora_segments
+
+
+@dataclass(frozen=True)
+class LoraBatch:
+    """Slots of one step's tokens, for the LoRA kernels.
+
+    tokens: segments of all T tokens of the step.
+    decode_tokens: segments of the D decode tokens (rows [0, D)); `tokens` itself when the
+        step holds decodes only, None when no decode token uses an adapter.
+    token_slots: host copy of the slot of each token (-1 = base model), which a CUDA-graph
+        replay rebuilds its own fixed-size segments from.
+    seq_slots: host slot of each sequence: prefill expands K/V from a sequence's whole
+        cached context, which `tokens` does not describe.
+    """
+
+    tokens: LoraSegments
+    decode_tokens: LoraSegments | None
+    token_slots: tuple[int, ...]
+    seq_slots: tuple[int, ...]
+
+
+def build_lora_batch(
+    seq_slots: Sequence[int],
+    query_lens: Sequence[int],
+    num_decode_seqs: int,
+    slot_rank: Tensor,
+    device: torch.device | str,
+) -> LoraBatch | None:
+    """The LoRA metadata of a step, or None when no sequence uses an adapter (then no layer
+    does any LoRA work).
+
+    Args:
+        seq_slots: pool slot per sequence, -1 for the base model.
+        query_lens: new tokens per sequence this step (decodes first, one token each).
+        num_decode_seqs: sequences [0, num_decode_seqs) are decodes.
+        slot_rank: the pool's int32 [num_slots] device tensor of loaded ranks (copied on
+            the device, no host sync).
+    """
+    if len(seq_slots) != len(query_lens):
+        raise ValueError(f"{len(seq_slots)} slots for {len(query_lens)} sequences")
+    if all(slot == NO_SLOT for slot in seq_slots):
+        return None
+    token_slots = tuple(
+        slot for slot, n in zip(seq_slots, query_lens, strict=True) for _ in range(n)
+    )
+    tokens = build_lora_segments(token_slots, slot_rank, device=device)
+    decode_tokens: LoraSegments | None = None
+    if num_decode_seqs == len(seq_slots):
+        decode_tokens = tokens
+    elif any(slot != NO_SLOT for slot in seq_slots[:num_decode_seqs]):
+        decode_slots = token_slots[:num_decode_seqs]  # one token per decode sequence
+        decode_tokens = build_lora_segments(decode_slots, slot_rank, device=device)
+    return LoraBatch(tokens, decode_tokens, token_slots, tuple(seq_slots))

@@ -1,0 +1,150 @@
+"""Builds the serving runtime of one replica from its config: model, KV cache, LoRA slot
+pool, adapter tiers, scheduler and engine. The service edge (`__main__`) and the tests both
+build through here, so they run the same wiring."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adapter_store.model_shapes import model_lora_shapes
+from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig
+from inference_svc.adapters.residency import AdapterResidency
+from inference_svc.adapters.sources import AdapterSource
+from inference_svc.engine.engine import LLMEngine
+from inference_svc.engine.kv_pages import pages_for
+from inference_svc.engine.lora_slots import LoraSlotAllocator
+from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
+from inference_svc.engine.scheduler import Scheduler, SchedulerConfig
+from inference_svc.lora.pool import GIB, LoraPool, LoraPoolConfig
+from inference_svc.metrics import InferenceMetrics
+from inference_svc.model.loader import load_model
+from inference_svc.model.tiny import model_folder
+from inference_svc.model.tokenizer import Tokenizer
+
+log = logging.getLogger("loraserve.runtime")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    model: str  # HF folder, or "tiny" for the embedded demo model
+    base_model_name: str  # the store's name of this base model; adapters must name it
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_loras: int = 8  # GPU slots (the memory budget may allow fewer)
+    max_lora_rank: int = 16
+    lora_memory_gb: float | None = None
+    host_cache_gb: float = 2.0
+    kv_pages: int = 0  # 0: enough for max_num_seqs sequences of max_model_len
+    page_size: int = 16
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    max_num_seqs: int = 32
+    max_batch_tokens: int = 512
+    max_queue: int = 256
+    cuda_graphs: bool = True  # capture decode graphs on CUDA
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not self.base_model_name:
+            raise ValueError("base_model_name must be set")
+        for name in ("max_loras", "max_lora_rank", "page_size", "max_num_seqs", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kv_pages", "max_model_len"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
+        if self.host_cache_gb <= 0:
+            raise ValueError(f"host_cache_gb must be > 0, got {self.host_cache_gb}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class Runtime:
+    config: RuntimeConfig
+    engine: LLMEngine
+    tokenizer: Tokenizer
+    hf_config: dict[str, Any]
+    metrics: InferenceMetrics
+
+    @property
+    def residency(self) -> AdapterResidency:
+        return self.engine.scheduler.residency
+
+
+def build_runtime(
+    config: RuntimeConfig,
+    source: AdapterSource | None,
+    metrics: InferenceMetrics | None = None,
+    on_fetched: Callable[[], None] = lambda: None,
+) -> Runtime:
+    """Load the model and assemble the engine (the engine thread is started by the caller)."""
+    metrics = metrics or InferenceMetrics()
+    folder = model_folder(config.model)
+    hf_config = json.loads((folder / "config.json").read_text())
+    loaded = load_model(folder, config.device, config.torch_dtype)
+    max_model_len = config.max_model_len or loaded.config.max_position_embeddings
+    kv_pages = config.kv_pages or config.max_num_seqs * pages_for(max_model_len, config.page_size)
+    pool = LoraPool.from_config(
+        model_lora_shapes(hf_config),
+        LoraPoolConfig(
+            max_lora_rank=config.max_lora_rank,
+            dtype=config.torch_dtype,
+            device=config.device,
+            max_loras=config.max_loras,
+            lora_memory_gb=config.lora_memory_gb,
+        ),
+    )
+    runner = ModelRunner(
+        loaded.model,
+        RunnerConfig(
+            num_pages=kv_pages,
+            page_size=config.page_size,
+            max_pages_per_seq=pages_for(max_model_len, config.page_size),
+        ),
+        lora_pool=pool,
+    )
+    if config.device == "cuda" and config.cuda_graphs:
+        runner.capture_decode_graphs()
+    host_cache = HostAdapterCache(
+        HostCacheConfig(capacity_bytes=int(config.host_cache_gb * GIB), dtype=config.torch_dtype)
+    )
+    residency = AdapterResidency(source, host_cache, pool, metrics, on_fetched)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_pages=kv_pages,
+            page_size=config.page_size,
+            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_batch_tokens, config.max_num_seqs),
+            max_waiting=config.max_queue,
+        ),
+        LoraSlotAllocator(pool.num_slots),
+        residency,
+        metrics,
+    )
+    log.info(
+        "model %s (%s, %s on %s): max model len %d, %d KV pages of %d tokens",
+        config.base_model_name,
+        Path(folder).name,
+        config.dtype,
+        config.device,
+        max_model_len,
+        kv_pages,
+        config.page_size,
+    )
+    engine = LLMEngine(runner, scheduler, metrics)
+    return Runtime(config, engine, loaded.tokenizer, hf_config, metrics)

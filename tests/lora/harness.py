@@ -1,0 +1,125 @@
+"""Our runtime with a LoRA slot pool next to the transformers(+peft) oracle, on tiny models.
+
+A `Scenario` runs sequences, each with its own adapter slot (or -1), step by step through
+the paged cache: chunked prefill, then one-token decodes until every sequence is done. The
+logprob of every token comes back, to compare with a full-sequence forward of the oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from adapter_store.format import CanonicalAdapter, model_lora_shapes
+from adapter_store.normalize import normalize_peft
+from inference_svc.engine.batch import SequenceStep, build_batch
+from inference_svc.engine.kv_pages import PageAllocator, pages_for
+from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
+from inference_svc.lora.pool import LoraPool, LoraPoolConfig
+from inference_svc.model.loader import load_model
+from tests.fixtures.tiny_models import tiny_config
+from tests.normalize.peft_adapters import make_peft_adapter
+
+TOL = 1e-4
+PAGE_SIZE = 4
+NUM_PAGES = 64
+ATTN_Q_LORA = ["q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj"]
+ATTN_NO_Q_LORA = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def peft_case(
+    spec: str, rank: int, seed: int, **lora_kwargs
+) -> tuple[torch.nn.Module, CanonicalAdapter]:
+    """A peft model with random non-zero LoRA on every MLA projection and the routed experts,
+    and the same adapter as the store would hand it to the inference service."""
+    attn = ATTN_NO_Q_LORA if tiny_config(spec).q_lora_rank is None else ATTN_Q_LORA
+    kwargs = dict(r=rank, lora_alpha=2 * rank, target_modules=attn, target_parameters=EXPERTS)
+    peft_model, files = make_peft_adapter(spec, seed=seed, **{**kwargs, **lora_kwargs})
+    config = peft_model.base_model.model.config.to_dict()
+    adapter = normalize_peft(files, config, base_model=spec, max_rank=64)
+    return peft_model, adapter
+
+
+def small_lora_b(adapter: CanonicalAdapter, scale: float) -> CanonicalAdapter:
+    """`adapter` with lora_B scaled down, so a random adapter perturbs without swamping."""
+    tensors = {
+        name: t * scale if name.endswith("lora_B") else t for name, t in adapter.tensors.items()
+    }
+    return CanonicalAdapter(adapter.manifest, tensors)
+
+
+@torch.no_grad()
+def oracle_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] logprobs of a full-sequence transformers forward."""
+    return model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+
+
+def make_runner(
+    folder: Path, spec: str, num_slots: int, max_rank: int, device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> ModelRunner:  # fmt: skip
+    """Our model from the checkpoint folder with an empty LoRA pool attached."""
+    loaded = load_model(folder, device=device, dtype=dtype)
+    shapes = model_lora_shapes(tiny_config(spec).to_dict())
+    config = LoraPoolConfig(max_rank, dtype=dtype, device=device, max_loras=num_slots)
+    pool = LoraPool(shapes, num_slots, config)
+    return ModelRunner(loaded.model, RunnerConfig(num_pages=NUM_PAGES, page_size=PAGE_SIZE), pool)
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    slot: int  # LoRA pool slot, -1 = base model
+    cached: int = 0
+    pages: list[int] = field(default_factory=list)
+    logprobs: list[torch.Tensor] = field(default_factory=list)  # row i predicts token i+1
+
+
+def random_tokens(lengths: list[int], seed: int, vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+class Scenario:
+    """Sequences run through `runner` in steps; the page allocator is the scheduler's part."""
+
+    def __init__(self, runner: ModelRunner, seqs: list[Seq]):
+        self.runner, self.seqs = runner, seqs
+        self.allocator = PageAllocator(NUM_PAGES)
+        self.allocator.allocate(3)  # sequences start on non-zero pages
+
+    def step(self, chunks: list[int]) -> None:
+        """Run chunks[i] new tokens of seqs[i] (0 = not in this step) as one batch, the
+        decodes (chunk 1) first, as the scheduler orders them."""
+        steps, ids, members = [], [], []
+        order = sorted(range(len(self.seqs)), key=lambda i: chunks[i] != 1)
+        for seq, n in ((self.seqs[i], chunks[i]) for i in order):
+            if n == 0:
+                continue
+            total = seq.cached + n
+            seq.pages += self.allocator.allocate(pages_for(total, PAGE_SIZE) - len(seq.pages))
+            steps.append(SequenceStep(seq.cached, n, tuple(seq.pages), True, seq.slot))
+            ids += seq.tokens[seq.cached : total]
+            members.append((seq, n))
+        device = self.runner.device
+        batch = build_batch(steps, PAGE_SIZE, device, self.runner.lora_slot_rank)
+        logits = self.runner.execute(torch.tensor(ids, device=device), batch)
+        row = 0
+        for seq, n in members:
+            seq.logprobs.extend(logits[row : row + n].log_softmax(-1).cpu())
+            seq.cached += n
+            row += n
+
+    def run(self, *prefill_chunks: list[int]) -> None:
+        """The given prefill steps, then decodes until every sequence is complete."""
+        for chunks in prefill_chunks:
+            self.step(chunks)
+        while any(s.cached < len(s.tokens) for s in self.seqs):
+            self.step([int(s.cached < len(s.tokens)) for s in self.seqs])
+
+
+def max_logprob_diff(seq: Seq, expected: torch.Tensor) -> float:
+    return (torch.stack(seq.logprobs) - expected).abs().max().item()

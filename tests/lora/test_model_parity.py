@@ -1,0 +1,131 @@
+"""Our logprobs with adapters in the slot pool == transformers + peft (float32, CPU).
+
+Adapters are made by peft itself (random non-zero lora_A/lora_B on every MLA projection and
+the routed experts), normalized like an upload, and loaded into the pool. The dense and
+shared-expert MLP layouts, which peft cannot apply on transformers 5, are checked against
+the base model with the adapter's ΔW merged into its weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fixtures.tiny_models import build_tiny_model, tiny_config
+from tests.inference.random_adapters import random_adapter
+from tests.lora.harness import (
+    TOL,
+    Scenario,
+    Seq,
+    make_runner,
+    max_logprob_diff,
+    oracle_logprobs,
+    peft_case,
+    random_tokens,
+    small_lora_b,
+)
+from tests.normalize.peft_adapters import merged_base_model
+
+SPECS = ["v3_q_lora", "v3_no_q_lora"]
+
+
+def _check(scenario: Scenario, oracles: list[torch.nn.Module], base=None) -> None:
+    """Each sequence's logprobs equal its oracle's; an adapted sequence must also differ
+    clearly from the base model, or the comparison would not show the adapter acted."""
+    for seq, oracle in zip(scenario.seqs, oracles, strict=True):
+        expected = oracle_logprobs(oracle, seq.tokens)
+        diff = max_logprob_diff(seq, expected)
+        assert diff <= TOL, f"slot {seq.slot}: max |Δlogprob| {diff:.2e}"
+        if base is not None and seq.slot >= 0:
+            assert (expected - oracle_logprobs(base, seq.tokens)).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_one_peft_adapter_prefill(spec, tiny_model_dirs):
+    peft_model, adapter = peft_case(spec, rank=4, seed=1)
+    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=3, max_rank=16)
+    runner.lora_pool.load(1, adapter)
+    (tokens,) = random_tokens([17], seed=2)
+    scenario = Scenario(runner, [Seq(tokens, slot=1)])
+    scenario.step([len(tokens)])
+    _check(scenario, [peft_model], base=build_tiny_model(spec))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_mixed_adapters_and_base_in_one_batch_prefill_and_decode(spec, tiny_model_dirs):
+    """Adapters of ranks 4, 8 and 16 (one with rslora and patterns) and the base model share
+    every step: prefill chunks on a cached prefix, a step mixing decodes and prefills, then
+    paged decodes through the absorbed kv_b correction, sequences ending unevenly."""
+    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=4, max_rank=16)
+    cases = [
+        peft_case(spec, rank=4, seed=3),
+        peft_case(spec, rank=8, seed=4, use_rslora=True, rank_pattern={"o_proj": 5}),
+        peft_case(spec, rank=16, seed=5, lora_alpha=8),
+    ]
+    for slot, (_, adapter) in zip((2, 0, 3), cases, strict=True):
+        runner.lora_pool.load(slot, adapter)
+    base = build_tiny_model(spec)
+    tokens = random_tokens([14, 11, 9, 12, 10], seed=6)
+    # Two sequences on slot 2, neighbours in the batch like the scheduler groups them.
+    slots = [2, 2, -1, 0, 3]
+    oracles = [cases[0][0], cases[0][0], base, cases[1][0], cases[2][0]]
+    scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
+    scenario.run([6, 5, 4, 0, 7], [1, 3, 1, 6, 0], [1, 3, 1, 1, 3])
+    _check(scenario, oracles, base)
+
+
+def test_rank8_adapter_in_rank16_pool_is_exact(tiny_model_dirs):
+    spec = "v3_q_lora"
+    peft_model, adapter = peft_case(spec, rank=8, seed=7)
+    tokens = random_tokens([9, 13], seed=8)
+    logprobs = []
+    for max_rank in (8, 16):
+        runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=max_rank)
+        runner.lora_pool.load(1, adapter)
+        scenario = Scenario(runner, [Seq(t, slot=1) for t in tokens])
+        scenario.run([5, 8])
+        _check(scenario, [peft_model, peft_model])
+        logprobs.append(torch.cat([torch.stack(s.logprobs) for s in scenario.seqs]))
+    torch.testing.assert_close(logprobs[0], logprobs[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
+def test_dense_and_shared_mlp_layouts_against_merged_weights(layout, tiny_model_dirs):
+    """Every canonical module (dense-layer MLP of width 96, shared-expert MLP of width 32,
+    attention, routed experts per-expert or shared-outer), next to the base model."""
+    spec = "v3_q_lora"
+    hf_config = tiny_config(spec).to_dict()
+    adapters = [
+        small_lora_b(random_adapter(hf_config, rank, moe_layout=layout, seed=seed), 0.02)
+        for rank, seed in ((6, 9), (3, 10))
+    ]
+    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=8)
+    for slot, adapter in enumerate(adapters):
+        runner.lora_pool.load(slot, adapter)
+    base = build_tiny_model(spec)
+    tokens = random_tokens([10, 8, 12], seed=11)
+    scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, [1, -1, 0], strict=True)])
+    scenario.run([4, 8, 5])
+    oracles = [merged_base_model(spec, adapters[1]), base, merged_base_model(spec, adapters[0])]
+    _check(scenario, oracles, base)
+
+
+def test_batch_without_adapters_does_no_lora_work(tiny_model_dirs, monkeypatch):
+    """Slot -1 everywhere: no LoRA metadata, no LoRA call, the base model's logits."""
+    from inference_svc.lora import apply
+
+    spec = "v3_q_lora"
+    _, adapter = peft_case(spec, rank=4, seed=12)
+    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=4)
+    runner.lora_pool.load(0, adapter)
+    for name in ("sgmv_shrink_ref", "mla_kv_b_lora_q_ref", "moe_lora_gate_up_ref"):
+        monkeypatch.setattr(apply, name, _must_not_run)
+    tokens = random_tokens([7, 9], seed=13)
+    scenario = Scenario(runner, [Seq(t, slot=-1) for t in tokens])
+    scenario.run([7, 5])
+    base = build_tiny_model(spec)
+    _check(scenario, [base, base])
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("a batch without adapters ran a LoRA kernel")
