@@ -48,16 +48,25 @@ def _port_free(port: int) -> bool:
     return True
 
 
-class AdoptedProcess:
-    """A server started by an earlier run (not our child), known by pid and command line.
+def start_ticks(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot), or None without /proc (macOS)."""
+    try:
+        # Field 22 of /proc/PID/stat; the command name before it may hold spaces.
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
 
-    Offers the part of `subprocess.Popen` that stopping needs. The command line guards
-    against a recycled pid: a process with another command line counts as exited.
+
+class AdoptedProcess:
+    """A server started by an earlier run (not our child), known by pid and start time.
+
+    Offers the part of `subprocess.Popen` that stopping needs. The start time guards
+    against a recycled pid: a process that started at another time counts as exited.
     """
 
-    def __init__(self, pid: int, argv: list[str]) -> None:
+    def __init__(self, pid: int, started: int | None) -> None:
         self.pid = pid
-        self.argv = argv
+        self.started = started
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -66,26 +75,24 @@ class AdoptedProcess:
         return self.returncode
 
     def _running(self) -> bool:
-        proc = Path(f"/proc/{self.pid}")
-        if not proc.exists():
+        if self.started is None:  # recorded without /proc (macOS): the pid is all we have
             try:
                 os.kill(self.pid, 0)
             except ProcessLookupError:
                 return False
-            return True  # no /proc (macOS): the pid is all we can check
+            return True
         try:
-            # An exited child of a parent that does not reap stays a zombie ("Z").
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")[:-1]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
             return False
-        return state != "Z" and [part.decode() for part in cmdline] == self.argv
+        # An exited child of a parent that does not reap stays a zombie ("Z").
+        return fields[0] != "Z" and int(fields[19]) == self.started
 
     def wait(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while self.poll() is None:
             if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.argv, timeout)
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
             time.sleep(0.05)
         return self.returncode or 0
 
@@ -211,12 +218,18 @@ class RedisServer:
         ]
 
     def start(self) -> RedisServer:
+        self.start_process()
+        self.wait_ready()
+        return self
+
+    def start_process(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path.touch()
         # redis-server writes to its --logfile; its stdout stays empty.
         self.process = launch(self.command(), self.log_path, detached=self.detached)
+
+    def wait_ready(self) -> None:
         wait_tcp(self.port, self.process, self.log_path, READY_TIMEOUT_S)
-        return self
 
     def stop(self, kill: bool = False) -> None:
         stop_process(self.process, 5.0, kill=kill)
@@ -294,6 +307,11 @@ class SeaweedS3Server:
         ]
 
     def start(self) -> SeaweedS3Server:
+        self.start_process()
+        self.wait_ready()
+        return self
+
+    def start_process(self) -> None:
         if not self.ports:
             self.ports = {name: free_port() for name in SEAWEED_LISTENERS}
         (self.workdir / "data").mkdir(parents=True, exist_ok=True)
@@ -303,9 +321,10 @@ class SeaweedS3Server:
             env={**os.environ, "GOMAXPROCS": "2", "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"},
             detached=self.detached,
         )
+
+    def wait_ready(self) -> None:
         wait_tcp(self.s3_port, self.process, self.log_path, READY_TIMEOUT_S)
         self._wait_s3_answers()
-        return self
 
     def _wait_s3_answers(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -347,16 +366,22 @@ class ServiceProcess:
         return [sys.executable, "-m", self.module, "serve", "--port", str(self.port), *self.args]
 
     def start(self, timeout_s: float = 90.0) -> ServiceProcess:
+        self.start_process()
+        self.wait_ready(timeout_s)
+        return self
+
+    def start_process(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", **self.env}
         self.process = launch(
             self.command(), self.log_path, env=env, cwd=REPO_ROOT, detached=self.detached
         )
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
         try:
             self._wait_serving(timeout_s)
         except (TimeoutError, RuntimeError) as error:
             self.stop(kill=True)
             raise TimeoutError(f"{error}\n--- log ---\n{log_tail(self.log_path, 4000)}") from None
-        return self
 
     def _wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -382,7 +407,7 @@ S = TypeVar("S", RedisServer, SeaweedS3Server, ServiceProcess)
 
 
 def to_record(server: Server) -> dict[str, Any]:
-    """What a later run needs to find `server` again: its fields, pid and command line."""
+    """What a later run needs to find `server` again: its fields, pid and start time."""
     if server.process is None:
         raise ValueError("the server was never started")
     record: dict[str, Any] = {
@@ -390,12 +415,13 @@ def to_record(server: Server) -> dict[str, Any]:
         for f in dataclasses.fields(server)
         if f.name != "process" and (value := getattr(server, f.name)) is not None
     }
-    return record | {"pid": server.process.pid, "argv": server.command()}
+    pid = server.process.pid
+    return record | {"pid": pid, "started": start_ticks(pid)}
 
 
 def from_record(cls: type[S], record: dict[str, Any]) -> S:
     """The server `to_record` described, holding its (possibly exited) process."""
-    fields = {k: v for k, v in record.items() if k not in ("pid", "argv")}
+    fields = {k: v for k, v in record.items() if k not in ("pid", "started")}
     server = cls(**fields | {"workdir": Path(record["workdir"])})
-    server.process = AdoptedProcess(record["pid"], record["argv"])
+    server.process = AdoptedProcess(record["pid"], record["started"])
     return server
