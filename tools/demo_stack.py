@@ -24,7 +24,7 @@ from tools.stack import (
 STACK_FILE = "stack.json"
 BUCKET = "loraserve-demo"
 BASE_MODEL = "tiny"
-# SeaweedFS accepts any credentials when none are configured; boto3 needs some to sign.
+# The one identity the demo's SeaweedFS accepts, given to it and to both services.
 S3_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "loraserve-demo",
     "AWS_SECRET_ACCESS_KEY": "loraserve-demo",
@@ -91,7 +91,7 @@ def start(state_dir: Path, model: str, say: Say) -> DemoStack:
     say(f"  Redis      {stack.redis.url}")
 
     say("starting SeaweedFS (S3 gateway)")
-    stack.s3 = SeaweedS3Server(state_dir / "s3", detached=True)
+    stack.s3 = SeaweedS3Server(state_dir / "s3", env=S3_CREDENTIALS, detached=True)
     _start_recorded(stack, stack.s3)
     say(f"  S3         {stack.s3.endpoint_url}")
 

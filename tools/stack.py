@@ -274,6 +274,9 @@ class SeaweedS3Server:
     workdir: Path
     s3_port: int = field(default_factory=free_port)
     ports: dict[str, int] = field(default_factory=dict)
+    # The gateway takes AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from its environment as the
+    # one identity it accepts; its clients must be given the same ones.
+    env: dict[str, str] = field(default_factory=dict)
     detached: bool = False
     process: Process | None = None
 
@@ -318,7 +321,12 @@ class SeaweedS3Server:
         self.process = launch(
             self.command(),
             self.log_path,
-            env={**os.environ, "GOMAXPROCS": "2", "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"},
+            env={
+                **os.environ,
+                "GOMAXPROCS": "2",
+                "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1",
+                **self.env,
+            },
             detached=self.detached,
         )
 
