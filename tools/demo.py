@@ -35,7 +35,6 @@ PROMPTS = (
     "    for item in items:\n        if ",
 )
 DEFAULT_STATE_DIR = REPO_ROOT / ".demo"
-GRPCURL_PROMPT = "def main():\n"
 
 
 def say(line: str) -> None:
@@ -127,7 +126,7 @@ def how_to_use(stack: demo_stack.DemoStack, adapter: str) -> str:
     store, inference = stack.store.address, stack.inference.address
     loractl = f"{_loractl()} --store {store}"
     request = json.dumps(
-        {"adapter": adapter, "prompt": GRPCURL_PROMPT, "sampling": {"max_new_tokens": 32}}
+        {"adapter": adapter, "prompt": PROMPTS[0], "sampling": {"max_new_tokens": 32}}
     )
     state = shown(stack.state_dir)
     return "\n".join(
