@@ -23,6 +23,7 @@ from adapter_store.auth import hash_key
 from adapter_store.client import StoreClient
 from adapter_store.errors import LoraserveError
 from adapter_store.rpc.settings import add_flag
+from protos import inference_pb2, inference_pb2_grpc
 
 ADAPTER_COLUMNS = ("name", "version", "base_model", "rank", "dtype", "size_bytes", "created_at")
 BASE_MODEL_COLUMNS = ("name", "architecture", "lora_modules", "created_at")
@@ -72,7 +73,55 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("ref")
     fetch.add_argument("--out", type=Path, required=True, help="folder to write into")
     sub.add_parser("hash-key", help="print the at-rest hash of an API key").add_argument("key")
+    _add_generate(sub)
     return parser
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    generate = sub.add_parser("generate", help="stream a generation from the inference service")
+    generate.add_argument("prompt")
+    generate.add_argument("--adapter", default="", help="name or name@N (empty: base model)")
+    add_flag(generate, "--inference", default="127.0.0.1:50052", help="inference HOST:PORT")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    generate.add_argument("--top-p", type=float, default=0.0, help="0: off")
+    generate.add_argument("--top-k", type=int, default=0, help="0: off")
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    """Print text as it streams in; with --json, one JSON object at the end."""
+    request = inference_pb2.GenerateRequest(
+        adapter=args.adapter,
+        prompt=args.prompt,
+        sampling=inference_pb2.SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+        ),
+    )
+    metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
+    text, token_ids, finish, version = [], [], 0, 0
+    async with grpc.aio.insecure_channel(args.inference) as channel:
+        stream = inference_pb2_grpc.InferenceStub(channel).Generate(request, metadata=metadata)
+        async for message in stream:
+            version = version or message.adapter_version
+            text.append(message.text)
+            token_ids += message.token_ids
+            finish = message.finish_reason
+            if not args.json:
+                sys.stdout.write(message.text)
+                sys.stdout.flush()
+    reason = inference_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
+    if args.json:
+        result = {"text": "".join(text), "token_ids": token_ids, "finish_reason": reason}
+        print(json.dumps({**result, "adapter_version": version}))
+    else:
+        sys.stdout.write("\n")
 
 
 def _row(message: Any, columns: Sequence[str]) -> list[str]:
@@ -165,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(hash_key(args.key))
         return 0
     try:
-        asyncio.run(_run(args))
+        asyncio.run(_generate(args) if args.command == "generate" else _run(args))
     except grpc.aio.AioRpcError as error:
         print(f"loractl: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1

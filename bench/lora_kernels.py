@@ -7,14 +7,21 @@ its pool 256× larger). Decode times are CUDA-graph replays with the L2 flushed 
 call (a graph of [flush] is timed and subtracted); the median is kept. Prints the
 TARGETS.md table with our µs beside SGLang, the floor and the target.
 
-    python -m bench.lora_kernels --out bench/results/lora_kernels.json   # GPU: + .png
-    python -m bench.lora_kernels --plot bench/results/lora_kernels.json  # PNG from JSON
-    python -m bench.lora_kernels --smoke                                 # CPU: setups only
+Every launcher variant (kernels/sgmv.py SHRINK_VARIANTS / EXPAND_VARIANTS) is its own
+provider `triton:<variant>`, so one run prints old vs new per case; the table shows the best.
+The `copy` provider times a device copy of the case's floor bytes (half read, half written)
+under the same cold-L2 method: what a perfect kernel could reach here.
+
+    python -m bench.lora_kernels --models v3 --out DIR/lora_kernels.json  # GPU: + .png
+    python -m bench.lora_kernels --targets --out DIR/targets.json         # TARGETS rows only
+    python -m bench.lora_kernels --plot bench/results/lora_kernels.json   # PNG from JSON
+    python -m bench.lora_kernels --smoke                                  # CPU: setups only
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from collections.abc import Callable
@@ -25,6 +32,7 @@ import torch
 
 from kernels.lora_segments import LoraSegments, build_lora_segments
 from kernels.mla_lora import (
+    MLA_VARIANTS,
     mla_kv_b_lora_o,
     mla_kv_b_lora_o_ref,
     mla_kv_b_lora_q,
@@ -36,7 +44,14 @@ from kernels.moe_lora import (
     moe_lora_gate_up,
     moe_lora_gate_up_ref,
 )
-from kernels.sgmv import sgmv_expand, sgmv_expand_ref, sgmv_shrink, sgmv_shrink_ref
+from kernels.sgmv import (
+    EXPAND_VARIANTS,
+    SHRINK_VARIANTS,
+    sgmv_expand,
+    sgmv_expand_ref,
+    sgmv_shrink,
+    sgmv_shrink_ref,
+)
 
 Provider = Callable[[], object]
 
@@ -133,12 +148,12 @@ def setup_sgmv(
                 y[idx] = (x[idx] @ A[slot].T).float()
 
         bytes_moved = adapters * rank * m.hidden * 2 + tokens * m.hidden * 2 + tokens * rank * 4
+        shrinks: dict[str, Provider] = {
+            f"triton:{v}": functools.partial(sgmv_shrink, x, A, segs, variant=v)
+            for v in SHRINK_VARIANTS
+        }
         return Setup(
-            {
-                "triton": lambda: sgmv_shrink(x, A, segs),
-                "torch": lambda: sgmv_shrink_ref(x, A, segs),
-                "naive": naive,
-            },
+            {**shrinks, "torch": lambda: sgmv_shrink_ref(x, A, segs), "naive": naive},
             bytes_moved,
         )
     B = torch.randn(SGMV_SLOTS, m.hidden, rank, **bf16) / rank**0.5
@@ -149,9 +164,13 @@ def setup_sgmv(
             out[idx] += y_bf16[idx] @ B[slot].T
 
     bytes_moved = adapters * rank * m.hidden * 2 + tokens * rank * 4 + 2 * tokens * m.hidden * 2
+    expands: dict[str, Provider] = {
+        f"triton:{v}": functools.partial(sgmv_expand, y, B, out, segs, [0, m.hidden], variant=v)
+        for v in EXPAND_VARIANTS
+    }
     return Setup(
         {
-            "triton": lambda: sgmv_expand(y, B, out, segs, [0, m.hidden]),
+            **expands,
             "torch": lambda: sgmv_expand_ref(y, B, out, segs, [0, m.hidden]),
             "naive": naive_expand,
         },
@@ -184,7 +203,12 @@ def setup_mla(
 
         return Setup(
             {
-                "triton": lambda: mla_kv_b_lora_q(small, lat, A, B, segs),
+                **{
+                    f"triton:{v}": functools.partial(
+                        mla_kv_b_lora_q, small, lat, A, B, segs, variant=v
+                    )
+                    for v in MLA_VARIANTS
+                },
                 "torch": lambda: mla_kv_b_lora_q_ref(small, lat, A, B, segs),
                 "naive": naive_q,
             },
@@ -198,7 +222,10 @@ def setup_mla(
 
     return Setup(
         {
-            "triton": lambda: mla_kv_b_lora_o(lat, small, A, B, segs),
+            **{
+                f"triton:{v}": functools.partial(mla_kv_b_lora_o, lat, small, A, B, segs, variant=v)
+                for v in MLA_VARIANTS
+            },
             "torch": lambda: mla_kv_b_lora_o_ref(lat, small, A, B, segs),
             "naive": naive_o,
         },
@@ -236,7 +263,7 @@ def setup_moe(
         else (moe_lora_down, moe_lora_down_ref)
     )
     providers: dict[str, Provider] = {
-        "triton": lambda: fused(x, out, A, B, pair_token, pair_expert, segs)
+        "triton:v1": lambda: fused(x, out, A, B, pair_token, pair_expert, segs)
     }
     if num_pairs * (A.shape[2] * in_dim + out_dim * rank) * 2 <= _GATHER_LIMIT_BYTES:
         pair_groups = [
@@ -268,75 +295,135 @@ SETUPS: dict[str, Callable[..., Setup]] = {
 }
 
 
+_FLUSH_BYTES = 256 * 1024**2
+
+
+def _median_replay_ms(body: Callable[[], None], graph: bool, reps: int) -> float:
+    body()  # warm-up: compiles and autotunes outside any capture
+    run = body
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        run = g.replay
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@functools.cache
+def _flush_buffer() -> torch.Tensor:
+    return torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+
+
+@functools.cache
+def _flush_only_ms(graph: bool, reps: int, inner: int) -> float:
+    """Median of [flush]×inner, measured once per process: every case subtracts it."""
+    flush = _flush_buffer()
+
+    def flush_only() -> None:
+        for _ in range(inner):
+            flush.zero_()
+
+    return _median_replay_ms(flush_only, graph, reps)
+
+
 def time_cold_us(fn: Provider, graph: bool, reps: int = 25, inner: int = 10) -> float:
     """Median µs of `fn` with a cold L2: [flush, fn]×inner minus [flush]×inner, each timed
     as one CUDA-graph replay (or eager launches when `graph` is False)."""
-    flush = torch.empty(256 * 1024**2, dtype=torch.int8, device="cuda")
+    flush = _flush_buffer()
 
     def with_fn() -> None:
         for _ in range(inner):
             flush.zero_()
             fn()
 
-    def flush_only() -> None:
-        for _ in range(inner):
-            flush.zero_()
+    with_ms = _median_replay_ms(with_fn, graph, reps)
+    return max(with_ms - _flush_only_ms(graph, reps, inner), 0.0) * 1e3 / inner
 
-    def median_ms(body: Callable[[], None]) -> float:
-        body()  # warm-up: compiles and autotunes outside any capture
-        run = body
-        if graph:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                body()
-            run = g.replay
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
 
-    return max(median_ms(with_fn) - median_ms(flush_only), 0.0) * 1e3 / inner
+def copy_provider(bytes_moved: int) -> Provider:
+    """A device copy moving `bytes_moved` (half read, half written): the cold-L2 time a
+    kernel at copy bandwidth would take for this case."""
+    src = torch.randn(max(bytes_moved // 4, 1) // 2, device="cuda")
+    dst = torch.empty_like(src)
+    return functools.partial(dst.copy_, src)
 
 
 def measure(
-    kernel: str, model: str, rank: int, tokens: int, adapters: int, copy_bw: float
+    kernel: str,
+    model: str,
+    rank: int,
+    tokens: int,
+    adapters: int,
+    copy_bw: float,
+    providers: set[str] | None,
 ) -> list[Row]:
-    """Rows of one case, one per provider (µs None where the provider was skipped)."""
+    """Rows of one case, one per provider (`providers` filters by name or `triton:` prefix;
+    µs None where the provider was skipped)."""
     setup = SETUPS[kernel](MODELS[model], tokens, adapters, rank, torch.device("cuda"))
     floor = setup.bytes_moved / copy_bw * 1e6
+    candidates = {**setup.providers, "copy": copy_provider(setup.bytes_moved)}
     rows = []
-    for provider in ("triton", "torch", "naive"):
-        fn = setup.providers.get(provider)
-        us = time_cold_us(fn, graph=tokens <= 256) if fn else None
+    for provider, fn in candidates.items():
+        if providers is not None and not ({provider, provider.split(":")[0]} & providers):
+            continue
+        us = time_cold_us(fn, graph=tokens <= 256)
         gbps = setup.bytes_moved / us / 1e3 if us else None
         rows.append(
             Row(kernel, model, tokens, adapters, rank, provider, us, setup.bytes_moved, floor, gbps)
         )
-        shown = f"{us:9.2f}" if us is not None else "  skipped"
-        print(f"{kernel:12} {model:7} r{rank:<3} T{tokens:<5} N{adapters:<3} {provider:7}", end="")
-        print(f" {shown} µs  floor {floor:7.2f} µs")
+        print(f"{kernel:12} {model:7} r{rank:<3} T{tokens:<5} N{adapters:<3} {provider:20}", end="")
+        print(f" {us:9.2f} µs  floor {floor:7.2f} µs")
+    for provider in set(SETUP_PROVIDERS[kernel]) - set(candidates):
+        rows.append(Row(kernel, model, tokens, adapters, rank, provider, None, setup.bytes_moved))
     return rows
 
 
-def run(out_path: Path, models: list[str], kernels: list[str]) -> list[Row]:
+# Providers a setup may leave out (MoE prefill: gathers too large); recorded as skipped.
+SETUP_PROVIDERS = {kernel: ("torch", "naive") for kernel in SETUPS}
+
+
+def cases(kernels: list[str], models: list[str], targets_only: bool) -> list[tuple]:
+    """(kernel, model, rank, tokens, adapters) to measure."""
+    if targets_only:
+        return [
+            (kernel, "v3", rank, tokens, adapters)
+            for (rank, tokens, adapters) in TARGET_ROWS
+            for kernel in ("sgmv_shrink", "sgmv_expand")
+        ]
+    return [
+        (kernel, model, rank, tokens, adapters)
+        for kernel in kernels
+        for model in models
+        for rank in RANKS
+        for tokens, adapters in [*DECODE, *PREFILL]
+        # prefill runs kv_b through SGMV, not the absorbed path
+        if not (kernel.startswith("mla") and tokens > 256)
+    ]
+
+
+def run(
+    out_path: Path,
+    models: list[str],
+    kernels: list[str],
+    providers: set[str] | None,
+    targets_only: bool,
+) -> list[Row]:
     from bench.ceilings import measure_copy_bandwidth
 
     copy_bw = measure_copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     rows: list[Row] = []
-    for kernel in kernels:
-        for model in models:
-            for rank in RANKS:
-                for tokens, adapters in [*DECODE, *PREFILL]:
-                    if kernel.startswith("mla") and tokens > 256:
-                        continue  # prefill runs kv_b through SGMV, not the absorbed path
-                    rows += measure(kernel, model, rank, tokens, adapters, copy_bw)
-                    torch.cuda.empty_cache()
+    for case in cases(kernels, models, targets_only):
+        rows += measure(*case, copy_bw, providers)
+        torch.cuda.empty_cache()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "device": torch.cuda.get_device_name(),
@@ -347,37 +434,78 @@ def run(out_path: Path, models: list[str], kernels: list[str]) -> list[Row]:
     return rows
 
 
+def best_triton(rows: list[Row]) -> dict[tuple, Row]:
+    """Fastest `triton:*` row per (kernel, model, rank, tokens, adapters)."""
+    best: dict[tuple, Row] = {}
+    for r in rows:
+        if not r.provider.startswith("triton") or r.us is None:
+            continue
+        key = (r.kernel, r.model, r.rank, r.tokens, r.adapters)
+        if key not in best or r.us < best[key].us:  # type: ignore[operator]
+            best[key] = r
+    return best
+
+
+def print_variant_table(rows: list[Row]) -> None:
+    """Per case: µs of every triton variant, the copy calibration and the floor."""
+    variants = sorted({r.provider for r in rows if r.provider.startswith("triton")})
+    by_case: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        by_case.setdefault((r.kernel, r.model, r.rank, r.tokens, r.adapters), {})[r.provider] = r
+    print("\n| kernel | model | r | T | N | " + " | ".join(variants) + " | copy | floor |")
+    print("|---" * (len(variants) + 7) + "|")
+    for key, provs in by_case.items():
+        cells = [provs[v].us if v in provs else None for v in variants]
+        copy = provs["copy"].us if "copy" in provs else None
+        floor = next(iter(provs.values())).floor_us
+        shown = " | ".join(f"{u:.1f}" if u is not None else "-" for u in [*cells, copy, floor])
+        print(f"| {' | '.join(map(str, key))} | {shown} |")
+
+
 def print_targets_table(rows: list[Row]) -> None:
-    """TARGETS.md's decode table (V3 hidden 7168) with our cold-L2 µs and floor beside it."""
-    ours = {
-        (r.kernel, r.rank, r.tokens, r.adapters): r
+    """TARGETS.md's decode table (V3 hidden 7168) with our best cold-L2 µs and floor."""
+    best = best_triton(rows)
+    copies = {
+        (r.kernel, r.rank, r.tokens, r.adapters): r.us
         for r in rows
-        if r.model == "v3" and r.provider == "triton"
+        if r.model == "v3" and r.provider == "copy"
     }
-    print("\n| rank, B, N | SGLang shrink / expand | ours shrink / expand | floor here | target |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| rank, B, N | SGLang shrink / expand | ours shrink / expand (variant)"
+        " | copy here | floor here | target |"
+    )
+    print("|---|---|---|---|---|---|")
     for (rank, tokens, adapters), (sglang, _, target) in TARGET_ROWS.items():
-        s = ours.get(("sgmv_shrink", rank, tokens, adapters))
-        e = ours.get(("sgmv_expand", rank, tokens, adapters))
+        s = best.get(("sgmv_shrink", "v3", rank, tokens, adapters))
+        e = best.get(("sgmv_expand", "v3", rank, tokens, adapters))
         if not (s and e and s.us is not None and e.us is not None):
             continue
+        cs = copies.get(("sgmv_shrink", rank, tokens, adapters))
+        ce = copies.get(("sgmv_expand", rank, tokens, adapters))
+        copy = f"{cs:.1f} / {ce:.1f}" if cs is not None and ce is not None else "-"
+        met = "met" if s.us <= target[0] and e.us <= target[1] else "missed"
         print(
             f"| {rank}, {tokens}, {adapters} | {sglang[0]} / {sglang[1]} | {s.us:.1f} / {e.us:.1f}"
-            f" | {s.floor_us:.1f} / {e.floor_us:.1f} | ≤ {target[0]} / ≤ {target[1]} |"
+            f" ({s.provider[7:]} / {e.provider[7:]}) | {copy} | {s.floor_us:.1f} /"
+            f" {e.floor_us:.1f} | ≤ {target[0]} / ≤ {target[1]} {met} |"
         )
 
 
 def plot(json_path: Path, png_path: Path) -> None:
-    """One panel per kernel: µs vs decode tokens for each provider (V3, rank 16, max adapters)."""
+    """One panel per kernel: µs vs decode tokens per provider (V3, rank 16, max adapters);
+    `triton` is the best variant of each case (older files name it plainly `triton`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [Row(**r) for r in json.loads(json_path.read_text())["rows"]]
+    best = best_triton(rows)
+    rows = [r for r in rows if not r.provider.startswith("triton")]
+    rows += [Row(**{**asdict(r), "provider": "triton"}) for r in best.values()]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, kernel in zip(axes.flat, SETUPS, strict=False):
-        for provider in ("triton", "torch", "naive", "floor"):
+        for provider in ("triton", "torch", "naive", "copy", "floor"):
             pts = sorted(
                 (r.tokens, r.floor_us if provider == "floor" else r.us)
                 for r in rows
@@ -394,7 +522,7 @@ def plot(json_path: Path, png_path: Path) -> None:
                     *zip(*pts, strict=True),
                     marker="o",
                     label=provider,
-                    linestyle="--" if provider == "floor" else "-",
+                    linestyle="--" if provider in ("floor", "copy") else "-",
                 )
         ax.set(
             title=f"{kernel} (V3, r16, N=min(B,64))",
@@ -410,16 +538,20 @@ def plot(json_path: Path, png_path: Path) -> None:
 
 
 def smoke() -> None:
-    """CPU check of every setup at tiny sizes: the torch and naive providers run once."""
+    """CPU check of every setup at tiny sizes: the torch and naive providers run once (the
+    Triton ones are covered by tests/kernels), and the case list of each mode is built."""
     tiny = ModelShape(
         hidden=64, heads=2, nope=16, v_dim=16, kv_lora_rank=32, moe_inter=24, experts=4, top_k=2
     )
     for kernel, make in SETUPS.items():
         for tokens, adapters in [(1, 1), (16, 8)]:
             setup = make(tiny, tokens, adapters, 16, torch.device("cpu"))
-            for provider in ("torch", "naive"):
-                setup.providers[provider]()
+            for provider, fn in setup.providers.items():
+                if not provider.startswith("triton"):
+                    fn()
         print(f"smoke ok: {kernel}")
+    full = cases(list(SETUPS), ["v3"], targets_only=False)
+    print(f"cases: default --models v3 {len(full)}, --targets {len(cases([], [], True))}")
 
 
 def main() -> None:
@@ -431,13 +563,24 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU: run every setup at tiny sizes")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--kernels", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument(
+        "--targets", action="store_true", help="only the TARGETS.md rows (V3 SGMV), fast"
+    )
+    parser.add_argument(
+        "--providers",
+        nargs="+",
+        help="only these providers: triton (all variants), triton:<variant>, torch, naive, copy",
+    )
     args = parser.parse_args()
     if args.smoke:
         smoke()
     elif args.plot:
         plot(args.plot, args.plot.with_suffix(".png"))
     elif args.out:
-        print_targets_table(run(args.out, args.models, args.kernels))
+        providers = set(args.providers) if args.providers else None
+        rows = run(args.out, args.models, args.kernels, providers, args.targets)
+        print_variant_table(rows)
+        print_targets_table(rows)
         plot(args.out, args.out.with_suffix(".png"))
     else:
         parser.error("give --out, --plot or --smoke")

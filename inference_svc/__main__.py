@@ -51,9 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(serve, "--max-loras", type=int, default=8, help="GPU LoRA slots")
     add_flag(serve, "--max-lora-rank", type=int, default=16, help="largest adapter rank served")
-    add_flag(
-        serve, "--lora-memory-gb", type=float, default=None, help="GPU memory for LoRA slots"
-    )
+    add_flag(serve, "--lora-memory-gb", type=float, default=None, help="GPU memory for LoRA slots")
     add_flag(serve, "--host-cache-gb", type=float, default=2.0, help="host adapter cache size")
     add_flag(serve, "--kv-pages", type=int, default=0, help="KV cache pages (0: automatic)")
     add_flag(serve, "--page-size", type=int, default=16, help="tokens per KV page")

@@ -5,6 +5,7 @@ shared server lifecycle; tests run it in-process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -123,7 +124,9 @@ class InferenceApp:
     async def stop(self) -> None:
         await self.resolver.stop()
         if self._publisher is not None:
-            await self._publisher.stop(delete=True)
+            # Bounded: a replica that cannot reach Redis still stops (its record expires).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._publisher.stop(delete=True), 5.0)
         self.loop.stop()
         self.runtime.residency.close()
         if self._fetcher is not None:

@@ -39,8 +39,10 @@ class InferenceMetrics:
             buckets=_BATCH_BUCKETS,
             registry=r,
         )
-        self.prompt_tokens = Counter(
-            "loraserve_prompt_tokens", "prompt tokens prefilled (recomputes included)", registry=r
+        self.prefill_tokens = Counter(
+            "loraserve_prefill_tokens",
+            "tokens run in prefill chunks (recomputes after preemption included)",
+            registry=r,
         )
         self.generated_tokens = Counter(
             "loraserve_generated_tokens", "tokens generated (rate() gives tokens/s)", registry=r

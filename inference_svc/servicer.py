@@ -119,7 +119,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def UnloadAdapter(self, request, context):  # noqa: N802
         if not request.adapter:
             raise InvalidArgument("adapter: give the adapter ref to unload (name or name@N)")
-        return pb.UnloadAdapterResponse(unloaded=await self._service.unload_adapter(request.adapter))
+        unloaded = await self._service.unload_adapter(request.adapter)
+        return pb.UnloadAdapterResponse(unloaded=unloaded)
 
     @rpc_method
     async def ListLoadedAdapters(self, request, context):  # noqa: N802

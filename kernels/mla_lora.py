@@ -22,11 +22,16 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
-from kernels.sgmv import dot_precision
+from kernels.sgmv import dot_precision, num_sms
+
+# v1: one program per (segment, head); planned: at most this many programs per SM walk the
+# live (segment, head) items (see kernels/sgmv.py SgmvVariant and docs/kernel_notes.md).
+MLA_VARIANTS = {"v1": None, "planned": 16}
+DEFAULT_MLA_VARIANT = "planned"
 
 
 @triton.jit
-def _mla_absorbed_lora_kernel(
+def _mla_absorbed_lora_item(
     x_ptr,
     out_ptr,
     w1_ptr,
@@ -34,6 +39,8 @@ def _mla_absorbed_lora_kernel(
     seg_indptr_ptr,
     seg_slot_ptr,
     slot_rank_ptr,
+    seg,
+    head,
     IN,
     OUT,
     stride_xt,
@@ -58,51 +65,129 @@ def _mla_absorbed_lora_kernel(
 ):
     """out[t,h,:] += (x[t,h,:] · w1[slot,h]) · w2[slot,h] for one (segment, head): both
     corrections are this shape, with A and B's k / v part in the w1 / w2 roles."""
-    seg = tl.program_id(0)
-    head = tl.program_id(1)
     slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
-    if rank == 0:
-        return
-    offs_t = t_start + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < t_end
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rank
-    w1 = w1_ptr + slot.to(tl.int64) * stride_w1s + head * stride_w1h
-    z = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)  # [t, r]
-    for i in range(0, IN, BLOCK_IN):
-        offs_i = i + tl.arange(0, BLOCK_IN)
-        mask_i = offs_i < IN
-        x = tl.load(
-            x_ptr + offs_t[:, None] * stride_xt + head * stride_xh + offs_i[None, :] * stride_xi,
-            mask=mask_t[:, None] & mask_i[None, :],
-            other=0.0,
-        )  # [t, i]
-        w = tl.load(
-            w1 + offs_i[:, None] * stride_w1i + offs_r[None, :] * stride_w1r,
-            mask=mask_i[:, None] & mask_r[None, :],
-            other=0.0,
-        )  # [i, r]
-        z = tl.dot(x, w, z, input_precision=DOT_PRECISION)
-    w2 = w2_ptr + slot.to(tl.int64) * stride_w2s + head * stride_w2h
-    for o in range(0, OUT, BLOCK_OUT):
-        offs_o = o + tl.arange(0, BLOCK_OUT)
-        mask_o = offs_o < OUT
-        w = tl.load(
-            w2 + offs_r[:, None] * stride_w2r + offs_o[None, :] * stride_w2o,
-            mask=mask_r[:, None] & mask_o[None, :],
-            other=0.0,
-        )  # [r, o]
-        delta = tl.dot(z.to(w.dtype), w, input_precision=DOT_PRECISION)  # [t, o]
-        out_ptrs = (
-            out_ptr + offs_t[:, None] * stride_ot + head * stride_oh + offs_o[None, :] * stride_oo
+    if rank > 0:
+        offs_t = t_start + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < t_end
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        w1 = w1_ptr + slot.to(tl.int64) * stride_w1s + head * stride_w1h
+        x_head = x_ptr + head * stride_xh
+        out_head = out_ptr + head * stride_oh
+        z = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)  # [t, r]
+        for i in range(0, IN, BLOCK_IN):
+            offs_i = i + tl.arange(0, BLOCK_IN)
+            mask_i = offs_i < IN
+            x = tl.load(
+                x_head + offs_t[:, None] * stride_xt + offs_i[None, :] * stride_xi,
+                mask=mask_t[:, None] & mask_i[None, :],
+                other=0.0,
+            )  # [t, i]
+            w = tl.load(
+                w1 + offs_i[:, None] * stride_w1i + offs_r[None, :] * stride_w1r,
+                mask=mask_i[:, None] & mask_r[None, :],
+                other=0.0,
+            )  # [i, r]
+            z = tl.dot(x, w, z, input_precision=DOT_PRECISION)
+        w2 = w2_ptr + slot.to(tl.int64) * stride_w2s + head * stride_w2h
+        for o in range(0, OUT, BLOCK_OUT):
+            offs_o = o + tl.arange(0, BLOCK_OUT)
+            mask_o = offs_o < OUT
+            w = tl.load(
+                w2 + offs_r[:, None] * stride_w2r + offs_o[None, :] * stride_w2o,
+                mask=mask_r[:, None] & mask_o[None, :],
+                other=0.0,
+            )  # [r, o]
+            delta = tl.dot(z.to(w.dtype), w, input_precision=DOT_PRECISION)  # [t, o]
+            out_ptrs = out_head + offs_t[:, None] * stride_ot + offs_o[None, :] * stride_oo
+            out_mask = mask_t[:, None] & mask_o[None, :]
+            prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
+            tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(prev.dtype), mask=out_mask)
+
+
+@triton.jit
+def _mla_absorbed_lora_kernel(
+    x_ptr,
+    out_ptr,
+    w1_ptr,
+    w2_ptr,
+    seg_indptr_ptr,
+    seg_slot_ptr,
+    slot_rank_ptr,
+    num_segments_ptr,
+    H,
+    IN,
+    OUT,
+    stride_xt,
+    stride_xh,
+    stride_xi,
+    stride_ot,
+    stride_oh,
+    stride_oo,
+    stride_w1s,
+    stride_w1h,
+    stride_w1i,
+    stride_w1r,
+    stride_w2s,
+    stride_w2h,
+    stride_w2r,
+    stride_w2o,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_IN: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    PLANNED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """v1: one program per (segment, head) of the grid. planned: a fixed grid walks the
+    (live segment, head) items, so a graph captured for 256 tokens does not start 256 × H
+    programs when few segments are live."""
+    first, last, step = tl.program_id(0), tl.program_id(0) + 1, 1
+    if PLANNED:
+        last, step = tl.load(num_segments_ptr) * H, tl.num_programs(0)
+    for item in range(first, last, step):
+        _mla_absorbed_lora_item(
+            x_ptr,
+            out_ptr,
+            w1_ptr,
+            w2_ptr,
+            seg_indptr_ptr,
+            seg_slot_ptr,
+            slot_rank_ptr,
+            item // H,
+            item % H,
+            IN,
+            OUT,
+            stride_xt,
+            stride_xh,
+            stride_xi,
+            stride_ot,
+            stride_oh,
+            stride_oo,
+            stride_w1s,
+            stride_w1h,
+            stride_w1i,
+            stride_w1r,
+            stride_w2s,
+            stride_w2h,
+            stride_w2r,
+            stride_w2o,
+            BLOCK_T,
+            BLOCK_R,
+            BLOCK_IN,
+            BLOCK_OUT,
+            DOT_PRECISION,
         )
-        out_mask = mask_t[:, None] & mask_o[None, :]
-        prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
-        tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(prev.dtype), mask=out_mask)
 
 
 def mla_kv_b_lora_q(
-    q_nope: Tensor, q_lat: Tensor, A: Tensor, B: Tensor, segs: LoraSegments
+    q_nope: Tensor,
+    q_lat: Tensor,
+    A: Tensor,
+    B: Tensor,
+    segs: LoraSegments,
+    *,
+    variant: str = DEFAULT_MLA_VARIANT,
 ) -> Tensor:
     """Add kv_b LoRA's key part to the absorbed query, in place.
 
@@ -113,6 +198,7 @@ def mla_kv_b_lora_q(
         q_lat: [T, H, C] absorbed query, written in place (any float dtype).
         A: [slots, R, C] kv_b pool A; B: [slots, H*(D+V), R] kv_b pool B.
         segs: segments of this batch; slot -1 tokens are left unchanged.
+        variant: a key of MLA_VARIANTS (both compute the same correction).
     """
     num_tokens, num_heads, nope = q_nope.shape
     v_dim = _check_kv_b(A, B, q_nope.dtype, num_heads, q_lat.shape, segs, num_tokens) - nope
@@ -131,11 +217,20 @@ def mla_kv_b_lora_q(
         (A, (A.stride(0), 0, A.stride(1), A.stride(2))),
         A.shape[1],
         segs,
+        MLA_VARIANTS[variant],
     )
     return q_lat
 
 
-def mla_kv_b_lora_o(o_lat: Tensor, o: Tensor, A: Tensor, B: Tensor, segs: LoraSegments) -> Tensor:
+def mla_kv_b_lora_o(
+    o_lat: Tensor,
+    o: Tensor,
+    A: Tensor,
+    B: Tensor,
+    segs: LoraSegments,
+    *,
+    variant: str = DEFAULT_MLA_VARIANT,
+) -> Tensor:
     """Add kv_b LoRA's value part to the absorbed attention output, in place.
 
     Semantics: o[t,h] += (o_lat[t,h] · A[slot, :rank]ᵀ) · B[slot, h*(D+V)+D : (h+1)*(D+V), :rank]ᵀ
@@ -145,6 +240,7 @@ def mla_kv_b_lora_o(o_lat: Tensor, o: Tensor, A: Tensor, B: Tensor, segs: LoraSe
         o: [T, H, V] per-head output (before o_proj), written in place (any float dtype).
         A: [slots, R, C] kv_b pool A; B: [slots, H*(D+V), R] kv_b pool B.
         segs: segments of this batch; slot -1 tokens are left unchanged.
+        variant: a key of MLA_VARIANTS (both compute the same correction).
     """
     num_tokens, num_heads, v_dim = o.shape
     nope = _check_kv_b(A, B, o_lat.dtype, num_heads, o_lat.shape, segs, num_tokens) - v_dim
@@ -161,6 +257,7 @@ def mla_kv_b_lora_o(o_lat: Tensor, o: Tensor, A: Tensor, B: Tensor, segs: LoraSe
         (B[:, nope:], (B.stride(0), head_rows * B.stride(1), B.stride(2), B.stride(1))),
         A.shape[1],
         segs,
+        MLA_VARIANTS[variant],
     )
     return o
 
@@ -207,10 +304,16 @@ def _launch(
     w2: tuple[Tensor, tuple[int, int, int, int]],
     pool_rank: int,
     segs: LoraSegments,
+    programs_per_sm: int | None,
 ) -> None:
-    """Run the absorbed kernel; w1/w2 come with (slot, head, row, col) strides."""
+    """Run the absorbed kernel; w1/w2 come with (slot, head, row, col) strides;
+    programs_per_sm None is v1's one program per (segment, head)."""
     (w1_tensor, w1_strides), (w2_tensor, w2_strides) = w1, w2
-    _mla_absorbed_lora_kernel[(segs.grid_segments(), x.shape[1])](
+    num_heads = x.shape[1]
+    programs = segs.grid_segments() * num_heads
+    if programs_per_sm is not None:
+        programs = min(programs, programs_per_sm * num_sms(x.device))
+    _mla_absorbed_lora_kernel[(programs,)](
         x,
         out,
         w1_tensor,
@@ -218,6 +321,8 @@ def _launch(
         segs.seg_indptr,
         segs.seg_slot,
         segs.slot_rank,
+        segs.num_segments,
+        num_heads,
         x.shape[2],
         out.shape[2],
         *x.stride(),
@@ -229,6 +334,7 @@ def _launch(
         BLOCK_R=max(triton.next_power_of_2(pool_rank), 16),
         BLOCK_IN=min(triton.next_power_of_2(max(x.shape[2], 16)), 128),
         BLOCK_OUT=min(triton.next_power_of_2(max(out.shape[2], 16)), 128),
+        PLANNED=programs_per_sm is not None,
         DOT_PRECISION=dot_precision(x.dtype),
     )
 

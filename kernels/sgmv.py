@@ -13,7 +13,9 @@ walking all 7168 inputs alone (SGLang's ~12.7 µs floor, TARGETS.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,6 +29,68 @@ MAX_SLICES = 3
 # Launchers size grids to about this many programs (2 waves on an H100's 132 SMs).
 _TARGET_PROGRAMS = 264
 _UNUSED = 2**30
+
+
+@triton.jit
+def _shrink_item(
+    x_ptr,
+    a_ptr,
+    y_ptr,
+    seg_indptr_ptr,
+    seg_slot_ptr,
+    slot_rank_ptr,
+    seg,
+    pid_sr,
+    k_lo,
+    k_len,
+    atomic,
+    K,
+    R,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_yt,
+    stride_yr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC_SEM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """y[seg's tokens, slice/rank block pid_sr] (+)= x[:, k_lo:k_lo+k_len] · A[slot]ᵀ."""
+    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
+    rank_blocks = tl.cdiv(R, BLOCK_R)
+    slice_idx = pid_sr // rank_blocks
+    r_start = (pid_sr % rank_blocks) * BLOCK_R
+    if r_start < rank:
+        offs_t = t_start + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < t_end
+        offs_r = r_start + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        a_rows = a_ptr + slot.to(tl.int64) * stride_as + (slice_idx * R + offs_r) * stride_ar
+        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)  # [t, r]
+        for k in range(k_lo, k_lo + k_len, BLOCK_K):
+            offs_k = k + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            x = tl.load(
+                x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                mask=mask_t[:, None] & mask_k[None, :],
+                other=0.0,
+            )  # [t, k]
+            a = tl.load(
+                a_rows[None, :] + offs_k[:, None] * stride_ak,
+                mask=mask_r[None, :] & mask_k[:, None],
+                other=0.0,
+            )  # [k, r]
+            acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+        y_ptrs = y_ptr + offs_t[:, None] * stride_yt + (slice_idx * R + offs_r)[None, :] * stride_yr
+        y_mask = mask_t[:, None] & mask_r[None, :]
+        if atomic:
+            tl.atomic_add(y_ptrs, acc, mask=y_mask, sem=ATOMIC_SEM)
+        else:
+            tl.store(y_ptrs, acc, mask=y_mask)
 
 
 @triton.jit
@@ -53,53 +117,110 @@ def _sgmv_shrink_kernel(
     ATOMIC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    pid_sr = tl.program_id(1)  # slice * rank_blocks + rank_block
-    pid_k = tl.program_id(2)
-    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
-    rank_blocks = tl.cdiv(R, BLOCK_R)
-    slice_idx = pid_sr // rank_blocks
-    r_start = (pid_sr % rank_blocks) * BLOCK_R
-    if r_start >= rank:
-        return
-
-    offs_t = t_start + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < t_end
-    offs_r = r_start + tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rank
-    a_rows = a_ptr + slot.to(tl.int64) * stride_as + (slice_idx * R + offs_r) * stride_ar
-    k_lo = pid_k * k_per_split
-    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)  # [t, r]
-    for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(
-            x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
-            mask=mask_t[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # [t, k]
-        a = tl.load(
-            a_rows[None, :] + offs_k[:, None] * stride_ak,
-            mask=mask_r[None, :] & mask_k[:, None],
-            other=0.0,
-        )  # [k, r]
-        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
-    y_ptrs = y_ptr + offs_t[:, None] * stride_yt + (slice_idx * R + offs_r)[None, :] * stride_yr
-    y_mask = mask_t[:, None] & mask_r[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=y_mask)
-    else:
-        tl.store(y_ptrs, acc, mask=y_mask)
+    """v1: one program per (segment, slice/rank block, K split), split planned on the host
+    (acq_rel atomics: each one fences, MEMBAR.ALL.GPU + CCTL.IVALL in SASS)."""
+    _shrink_item(
+        x_ptr,
+        a_ptr,
+        y_ptr,
+        seg_indptr_ptr,
+        seg_slot_ptr,
+        slot_rank_ptr,
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.program_id(2) * k_per_split,
+        k_per_split,
+        ATOMIC,
+        K,
+        R,
+        stride_xt,
+        stride_xk,
+        stride_as,
+        stride_ar,
+        stride_ak,
+        stride_yt,
+        stride_yr,
+        BLOCK_T,
+        BLOCK_R,
+        BLOCK_K,
+        "acq_rel",
+        DOT_PRECISION,
+    )
 
 
 @triton.jit
-def _sgmv_expand_kernel(
+def _sgmv_shrink_planned_kernel(
+    x_ptr,
+    a_ptr,
+    y_ptr,
+    seg_indptr_ptr,
+    seg_slot_ptr,
+    slot_rank_ptr,
+    num_segments_ptr,
+    K,
+    R,
+    rank_programs,
+    target_items,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_yt,
+    stride_yr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """planned: a fixed grid walks (live segment, slice/rank block, K split) items; the split
+    is planned here from the live segment count, so a graph captured for 256 tokens and
+    replayed with one adapter still spreads K over the GPU (relaxed atomics: no fences)."""
+    seg_items = tl.load(num_segments_ptr) * rank_programs
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    split = tl.minimum(tl.maximum(target_items // tl.maximum(seg_items, 1), 1), k_blocks)
+    k_per_split = tl.cdiv(k_blocks, split) * BLOCK_K
+    split = tl.cdiv(K, k_per_split)
+    for item in range(tl.program_id(0), seg_items * split, tl.num_programs(0)):
+        _shrink_item(
+            x_ptr,
+            a_ptr,
+            y_ptr,
+            seg_indptr_ptr,
+            seg_slot_ptr,
+            slot_rank_ptr,
+            item // (rank_programs * split),
+            (item // split) % rank_programs,
+            (item % split) * k_per_split,
+            k_per_split,
+            split > 1,
+            K,
+            R,
+            stride_xt,
+            stride_xk,
+            stride_as,
+            stride_ar,
+            stride_ak,
+            stride_yt,
+            stride_yr,
+            BLOCK_T,
+            BLOCK_R,
+            BLOCK_K,
+            "relaxed",
+            DOT_PRECISION,
+        )
+
+
+@triton.jit
+def _expand_item(
     y_ptr,
     b_ptr,
     out_ptr,
     seg_indptr_ptr,
     seg_slot_ptr,
     slot_rank_ptr,
+    seg,
+    pid_n,
     R,
     N,
     slice1_col,
@@ -116,45 +237,116 @@ def _sgmv_expand_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    COLS_ALIGNED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """out[seg's tokens, column block pid_n] += y · B[slot]ᵀ over the block's slice."""
     slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
-    if rank == 0:
-        return
-    # Column blocks never straddle a slice: blocks [sliceI_block, ...) belong to slice I.
-    in_s1 = pid_n >= slice1_block
-    in_s2 = pid_n >= slice2_block
-    slice_idx = in_s1.to(tl.int32) + in_s2.to(tl.int32)
-    col_lo = tl.where(in_s2, slice2_col, tl.where(in_s1, slice1_col, 0))
-    col_hi = tl.where(in_s2, N, tl.minimum(tl.where(in_s1, slice2_col, slice1_col), N))
-    block_lo = tl.where(in_s2, slice2_block, tl.where(in_s1, slice1_block, 0))
+    if rank > 0:
+        # Column blocks never straddle a slice: blocks [sliceI_block, ...) belong to slice I.
+        in_s1 = pid_n >= slice1_block
+        in_s2 = pid_n >= slice2_block
+        slice_idx = in_s1.to(tl.int32) + in_s2.to(tl.int32)
+        col_lo = tl.where(in_s2, slice2_col, tl.where(in_s1, slice1_col, 0))
+        col_hi = tl.where(in_s2, N, tl.minimum(tl.where(in_s1, slice2_col, slice1_col), N))
+        if COLS_ALIGNED:
+            # Lets the out tile load/store as 16-byte vectors (scalar 2-byte ones otherwise).
+            col_lo = tl.multiple_of(col_lo, 8)
+            col_hi = tl.multiple_of(col_hi, 8)
+        block_lo = tl.where(in_s2, slice2_block, tl.where(in_s1, slice1_block, 0))
 
-    offs_t = t_start + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < t_end
-    offs_n = col_lo + (pid_n - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < col_hi
-    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)  # [t, n]
-    for r in range(0, rank, BLOCK_R):
-        offs_r = r + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        y = tl.load(
-            y_ptr + offs_t[:, None] * stride_yt + (slice_idx * R + offs_r)[None, :] * stride_yr,
-            mask=mask_t[:, None] & mask_r[None, :],
-            other=0.0,
-        )  # [t, r]
-        b = tl.load(
-            b_slot + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-            mask=mask_n[None, :] & mask_r[:, None],
-            other=0.0,
-        )  # [r, n]
-        acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
-    out_mask = mask_t[:, None] & mask_n[None, :]
-    prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
-    tl.store(out_ptrs, (prev.to(tl.float32) + acc).to(prev.dtype), mask=out_mask)
+        offs_t = t_start + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < t_end
+        offs_n = col_lo + (pid_n - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < col_hi
+        out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
+        out_mask = mask_t[:, None] & mask_n[None, :]
+        # Issued before the rank loop so its latency overlaps the B loads.
+        prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        b_slot = b_ptr + slot.to(tl.int64) * stride_bs
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)  # [t, n]
+        for r in range(0, rank, BLOCK_R):
+            offs_r = r + tl.arange(0, BLOCK_R)
+            mask_r = offs_r < rank
+            y = tl.load(
+                y_ptr + offs_t[:, None] * stride_yt + (slice_idx * R + offs_r)[None, :] * stride_yr,
+                mask=mask_t[:, None] & mask_r[None, :],
+                other=0.0,
+            )  # [t, r]
+            b = tl.load(
+                b_slot + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                mask=mask_n[None, :] & mask_r[:, None],
+                other=0.0,
+            )  # [r, n]
+            acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+        tl.store(out_ptrs, (prev.to(tl.float32) + acc).to(prev.dtype), mask=out_mask)
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    seg_indptr_ptr,
+    seg_slot_ptr,
+    slot_rank_ptr,
+    num_segments_ptr,
+    n_blocks,
+    R,
+    N,
+    slice1_col,
+    slice2_col,
+    slice1_block,
+    slice2_block,
+    stride_yt,
+    stride_yr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PLANNED: tl.constexpr,
+    COLS_ALIGNED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """v1: one program per (segment, column block) of the grid. planned: a fixed grid walks
+    the (live segment, column block) items, so padding segments of a graph captured for more
+    tokens cost no programs."""
+    first, last, step = tl.program_id(0), tl.program_id(0) + 1, 1
+    if PLANNED:
+        last, step = tl.load(num_segments_ptr) * n_blocks, tl.num_programs(0)
+    for item in range(first, last, step):
+        _expand_item(
+            y_ptr,
+            b_ptr,
+            out_ptr,
+            seg_indptr_ptr,
+            seg_slot_ptr,
+            slot_rank_ptr,
+            item // n_blocks,
+            item % n_blocks,
+            R,
+            N,
+            slice1_col,
+            slice2_col,
+            slice1_block,
+            slice2_block,
+            stride_yt,
+            stride_yr,
+            stride_bs,
+            stride_bn,
+            stride_br,
+            stride_ot,
+            stride_on,
+            BLOCK_T,
+            BLOCK_N,
+            BLOCK_R,
+            COLS_ALIGNED,
+            DOT_PRECISION,
+        )
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -182,8 +374,64 @@ def rank_block(pool_rank: int) -> int:
     return min(max(triton.next_power_of_2(pool_rank), 16), 64)
 
 
+@dataclass(frozen=True)
+class SgmvVariant:
+    """How a launcher maps the work onto programs (see docs/kernel_notes.md).
+
+    planned False is v1: one program per work item of the grid, split-K planned on the host
+    from the segment count it sees (the capacity while a CUDA graph is captured).
+    planned True: min(items, programs_per_sm × SMs) programs walk the live items; the
+    shrink's split-K is planned on the device from the live segment count.
+    """
+
+    planned: bool
+    programs_per_sm: int = 8
+    # Shrink BLOCK_K / expand BLOCK_N; None keeps v1's rule.
+    block: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
+        if self.block is not None and (self.block < 16 or self.block & (self.block - 1)):
+            raise ValueError(f"block must be a power of two >= 16, got {self.block}")
+
+
+SHRINK_VARIANTS = {
+    "v1": SgmvVariant(planned=False),
+    "planned": SgmvVariant(planned=True, programs_per_sm=8, block=128),
+    "planned_k64": SgmvVariant(planned=True, programs_per_sm=16, block=64),
+}
+EXPAND_VARIANTS = {
+    "v1": SgmvVariant(planned=False),
+    "planned": SgmvVariant(planned=True, programs_per_sm=16, block=128),
+    "planned_n64": SgmvVariant(planned=True, programs_per_sm=16, block=64),
+}
+# What the launchers use unless told otherwise: the prediction of docs/kernel_notes.md,
+# to be replaced by the measured best.
+DEFAULT_VARIANT = "planned"
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of the GPU; 1 under the CPU interpreter, so that the planned kernels'
+    program loops run several items per program in the CPU tests."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def sgmv_shrink(
-    x: Tensor, A: Tensor, segs: LoraSegments, num_slices: int = 1, out: Tensor | None = None
+    x: Tensor,
+    A: Tensor,
+    segs: LoraSegments,
+    num_slices: int = 1,
+    out: Tensor | None = None,
+    *,
+    variant: str = DEFAULT_VARIANT,
 ) -> Tensor:
     """Shrink every token by its segment's adapter.
 
@@ -196,11 +444,13 @@ def sgmv_shrink(
         segs: segments of this batch (T = segs.num_tokens rows of x are read).
         num_slices: stacked slices S in A.
         out: optional float32 [T, S*R] buffer; it is zeroed and written.
+        variant: a key of SHRINK_VARIANTS (all compute the same y).
     Returns:
         y: float32 [T, S*R] (float32 so split-K partial sums add up exactly once by
         atomics and the expand reads full precision).
     """
     num_tokens, k_dim = x.shape
+    plan = SHRINK_VARIANTS[variant]
     _check_pool(A, x.dtype, 3, "A")
     if A.shape[2] != k_dim or A.shape[1] % num_slices:
         raise ValueError(f"A {tuple(A.shape)} does not fit x {tuple(x.shape)}, {num_slices} slices")
@@ -217,31 +467,39 @@ def sgmv_shrink(
     block_r = rank_block(pool_rank)
     rank_programs = num_slices * triton.cdiv(pool_rank, block_r)
     grid_segments = segs.grid_segments()
-    block_k, k_per_split, split_k = plan_split_k(k_dim, grid_segments * rank_programs)
-    _sgmv_shrink_kernel[(grid_segments, rank_programs, split_k)](
-        x,
-        A,
-        out,
-        segs.seg_indptr,
-        segs.seg_slot,
-        segs.slot_rank,
-        k_dim,
-        pool_rank,
-        k_per_split,
-        *x.stride(),
-        *A.stride(),
-        *out.stride(),
-        BLOCK_T=segs.max_seg_len,
-        BLOCK_R=block_r,
-        BLOCK_K=block_k,
-        ATOMIC=split_k > 1,
-        DOT_PRECISION=dot_precision(x.dtype),
-    )
+    meta = (segs.seg_indptr, segs.seg_slot, segs.slot_rank)
+    strides = (*x.stride(), *A.stride(), *out.stride())
+    common = {
+        "BLOCK_T": segs.max_seg_len,
+        "BLOCK_R": block_r,
+        "DOT_PRECISION": dot_precision(x.dtype),
+    }
+    if not plan.planned:
+        block_k, k_per_split, split_k = plan_split_k(k_dim, grid_segments * rank_programs)
+        _sgmv_shrink_kernel[(grid_segments, rank_programs, split_k)](
+            x, A, out, *meta, k_dim, pool_rank, k_per_split, *strides,
+            BLOCK_K=block_k, ATOMIC=split_k > 1, **common,
+        )  # fmt: skip
+        return out
+    block_k = plan.block if k_dim >= (plan.block or 0) else triton.next_power_of_2(max(k_dim, 16))
+    target_items = plan.programs_per_sm * num_sms(x.device)
+    max_items = grid_segments * rank_programs * triton.cdiv(k_dim, block_k)
+    programs = min(max_items, max(target_items, grid_segments * rank_programs))
+    _sgmv_shrink_planned_kernel[(programs,)](
+        x, A, out, *meta, segs.num_segments, k_dim, pool_rank, rank_programs, target_items,
+        *strides, BLOCK_K=block_k, **common,
+    )  # fmt: skip
     return out
 
 
 def sgmv_expand(
-    y: Tensor, B: Tensor, out: Tensor, segs: LoraSegments, slice_offsets: Sequence[int]
+    y: Tensor,
+    B: Tensor,
+    out: Tensor,
+    segs: LoraSegments,
+    slice_offsets: Sequence[int],
+    *,
+    variant: str = DEFAULT_VARIANT,
 ) -> Tensor:
     """Expand every token by its segment's adapter and add into `out` in place.
 
@@ -254,9 +512,11 @@ def sgmv_expand(
         out: [T, out_total] written in place (any float dtype, may be a strided view).
         segs: segments of this batch.
         slice_offsets: S+1 ascending column offsets, 0 first and out_total last (S <= 3).
+        variant: a key of EXPAND_VARIANTS (all compute the same out).
     """
     num_slices = len(slice_offsets) - 1
     num_tokens, out_total = out.shape
+    plan = EXPAND_VARIANTS[variant]
     _check_pool(B, B.dtype, 3, "B")
     pool_rank = B.shape[2]
     if not 1 <= num_slices <= MAX_SLICES:
@@ -270,34 +530,31 @@ def sgmv_expand(
     segs.require_tokens(num_tokens)
     if num_tokens == 0:
         return out
-    # Wide tiles for wide outputs unless that leaves SMs idle (B=1: 112 programs, not 56).
-    wide = segs.grid_segments() * triton.cdiv(out_total, 128) >= _TARGET_PROGRAMS
-    block_n = 128 if wide else 64
+    grid_segments = segs.grid_segments()
+    if plan.block is None:
+        # Wide tiles for wide outputs unless that leaves SMs idle (B=1: 112 programs, not 56).
+        wide = grid_segments * triton.cdiv(out_total, 128) >= _TARGET_PROGRAMS
+        block_n = 128 if wide else 64
+    else:
+        block_n = plan.block
     block_cols = [0] * (MAX_SLICES + 1)
     slice_cols = [*slice_offsets[1:-1], *[_UNUSED] * (MAX_SLICES - num_slices)]
     for i in range(num_slices):
         width = slice_offsets[i + 1] - slice_offsets[i]
         block_cols[i + 1] = block_cols[i] + triton.cdiv(width, block_n)
     slice_blocks = [*block_cols[1:num_slices], *[_UNUSED] * (MAX_SLICES - num_slices)]
-    _sgmv_expand_kernel[(segs.grid_segments(), block_cols[num_slices])](
-        y,
-        B,
-        out,
-        segs.seg_indptr,
-        segs.seg_slot,
-        segs.slot_rank,
-        pool_rank,
-        out_total,
-        *slice_cols[:2],
-        *slice_blocks[:2],
-        *y.stride(),
-        *B.stride(),
-        *out.stride(),
-        BLOCK_T=segs.max_seg_len,
-        BLOCK_N=block_n,
-        BLOCK_R=rank_block(pool_rank),
+    n_blocks = block_cols[num_slices]
+    programs = grid_segments * n_blocks
+    if plan.planned:
+        programs = min(programs, plan.programs_per_sm * num_sms(out.device))
+    _sgmv_expand_kernel[(programs,)](
+        y, B, out, segs.seg_indptr, segs.seg_slot, segs.slot_rank, segs.num_segments,
+        n_blocks, pool_rank, out_total, *slice_cols[:2], *slice_blocks[:2],
+        *y.stride(), *B.stride(), *out.stride(),
+        BLOCK_T=segs.max_seg_len, BLOCK_N=block_n, BLOCK_R=rank_block(pool_rank),
+        PLANNED=plan.planned, COLS_ALIGNED=plan.planned and all(o % 8 == 0 for o in slice_offsets),
         DOT_PRECISION=dot_precision(B.dtype),
-    )
+    )  # fmt: skip
     return out
 
 

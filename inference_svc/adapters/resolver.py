@@ -5,8 +5,8 @@ Redis events.
 - `name` means the latest version *when a request starts*: cached until a `published` or
   `deleted` event for the name. Running requests keep the version they were given.
 - While the event subscription is down (or there is no Redis), `name` entries are trusted
-  for `latest_ttl_s` only, and the cache is dropped when the subscription (re)connects,
-  since events may have been missed.
+  for `latest_ttl_s` only; when the subscription (re)connects every entry is re-checked
+  with the store on its next use, since events may have been missed.
 - When the store cannot answer, a cached entry is used even if stale (requests for
   adapters this replica already knows, usually resident, are still served); without one
   the request gets UNAVAILABLE naming the store.
@@ -36,6 +36,7 @@ from inference_svc.engine.sequence import AdapterBinding
 log = logging.getLogger("loraserve.resolver")
 
 EVENTS_CHANNEL = "loraserve:events"  # the store's pub/sub channel (adapter_store.storage)
+_CLOSE_TIMEOUT_S = 1.0
 
 
 class AdapterLookup(Protocol):
@@ -63,6 +64,7 @@ class _Entry:
     adapter: AdapterBinding
     fetched_at: float
     pinned: bool  # ref named a version
+    stale: bool = False  # re-check with the store before trusting it again
 
 
 class AdapterResolver:
@@ -99,6 +101,8 @@ class AdapterResolver:
         return adapter
 
     def _fresh(self, entry: _Entry) -> bool:
+        if entry.stale:
+            return False
         if entry.pinned or self._events_live:
             return True
         return time.monotonic() - entry.fetched_at < self.config.latest_ttl_s
@@ -151,8 +155,7 @@ class AdapterResolver:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task], timeout=2 * _CLOSE_TIMEOUT_S + 1)
             self._task = None
 
     @property
@@ -164,16 +167,18 @@ class AdapterResolver:
 
         while True:
             client = aioredis.from_url(self.config.redis_url, socket_connect_timeout=2.0)
+            pubsub = client.pubsub()
             try:
-                async with client.pubsub() as pubsub:
-                    await pubsub.subscribe(EVENTS_CHANNEL)
-                    # Events may have been missed while not subscribed.
-                    self._cache.clear()
-                    self._events_live = True
-                    log.info("following adapter events on %s", EVENTS_CHANNEL)
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message":
-                            self._apply_raw(message.get("data"))
+                await pubsub.subscribe(EVENTS_CHANNEL)
+                # Events may have been missed while not subscribed; stale entries stay
+                # usable as a fallback while the store is down.
+                for entry in self._cache.values():
+                    entry.stale = True
+                self._events_live = True
+                log.info("following adapter events on %s", EVENTS_CHANNEL)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self._apply_raw(message.get("data"))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down: fall back to TTLs and retry
@@ -181,8 +186,10 @@ class AdapterResolver:
                     log.warning("adapter events lost (%s: %s)", type(exc).__name__, exc)
             finally:
                 self._events_live = False
-                with contextlib.suppress(Exception):
-                    await client.aclose()
+                # Bounded: closing a connection cancelled mid-read can wait on its own lock.
+                for closing in (pubsub.aclose, client.aclose):
+                    with contextlib.suppress(Exception, asyncio.TimeoutError):
+                        await asyncio.wait_for(closing(), _CLOSE_TIMEOUT_S)
             await asyncio.sleep(self.config.reconnect_s)
 
     def _apply_raw(self, data: bytes | str | None) -> None:

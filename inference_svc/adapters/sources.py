@@ -65,4 +65,4 @@ class StoreFetchSource:
             # The client verified the bytes against the record; the manifest must agree too.
             return deserialize(fetched.weights, fetched.manifest_json, verify=True)
         except InvalidArgument as exc:
-            raise FailedPrecondition(f"adapter {ref}: fetched weights are unusable: {exc}") from None
+            raise FailedPrecondition(f"adapter {ref}: fetched weights unusable: {exc}") from None

@@ -182,8 +182,8 @@ class LLMEngine:
             if s.all_logits:
                 self._score_prompt(seq, rows)
             seq.num_computed += s.query_len
-            if seq.preemptions == 0 and seq.num_computed <= len(seq.prompt_token_ids):
-                self.metrics.prompt_tokens.inc(s.query_len)
+            if s.query_len > 1:
+                self.metrics.prefill_tokens.inc(s.query_len)
             if seq.num_computed == seq.num_tokens:
                 to_sample.append((seq, rows[-1]))
         if not to_sample:
@@ -229,9 +229,10 @@ class LLMEngine:
             reason = FinishReason.STOP
         elif token in seq.eos_token_ids:
             reason = FinishReason.EOS
-        elif len(seq.output_token_ids) >= seq.params.max_new_tokens:
-            reason = FinishReason.LENGTH
-        elif seq.num_tokens >= self.scheduler.config.max_model_len:
+        elif (
+            len(seq.output_token_ids) >= seq.params.max_new_tokens
+            or seq.num_tokens >= self.scheduler.config.max_model_len
+        ):
             reason = FinishReason.LENGTH
         text = delta.text
         if reason is not None and not delta.stopped:
@@ -365,6 +366,8 @@ def _adapter_label(seq: Sequence) -> str:
 
 
 def _rfc3339(unix_s: float) -> str:
-    return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="milliseconds").replace(
-        "+00:00", "Z"
+    return (
+        datetime.fromtimestamp(unix_s, UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z")
     )

@@ -316,9 +316,7 @@ class Scheduler:
             self._tickets.remove(ticket)
             ticket.future.set_exception(error)
 
-    def _advance_adapter(
-        self, adapter: AdapterBinding
-    ) -> tuple[_Progress, LoraserveError | None]:
+    def _advance_adapter(self, adapter: AdapterBinding) -> tuple[_Progress, LoraserveError | None]:
         key = adapter.key
         if self.slots.is_ready(key):
             return _Progress.READY, None

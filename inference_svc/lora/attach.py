@@ -25,9 +25,11 @@ def attach_lora_pool(model: DeepseekV3Model, pool: LoraPool) -> None:
     another width) or lives on another device / in another dtype than the model.
     """
     device = model.embed.weight.device
-    if pool.dtype != model.dtype or pool.device != device:
+    # Compare where the tensors actually live: a pool made for "cuda" sits on "cuda:0".
+    pool_device = pool.slot_rank.device
+    if pool.dtype != model.dtype or pool_device != device:
         raise ValueError(
-            f"LoRA pool is {pool.dtype} on {pool.device}, the model {model.dtype} on {device}"
+            f"LoRA pool is {pool.dtype} on {pool_device}, the model {model.dtype} on {device}"
         )
     held = set(pool.module_instances())
     targets = list(_lora_targets(model))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from inference_svc.model.tiny import EMBEDDED_ADAPTERS_DIR, EMBEDDED_BASE_DIR
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 
@@ -79,6 +80,21 @@ def status_of(call) -> grpc.StatusCode:
     except grpc.RpcError as error:
         return error.code()
     raise AssertionError("the call succeeded")
+
+
+def load_peft_oracle(adapters: tuple[str, ...]):
+    """transformers DeepseekV3ForCausalLM of the embedded model in float32 on CPU, with the
+    named embedded adapters loaded by peft (select with `set_adapter`, base:
+    `disable_adapter`)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(EMBEDDED_BASE_DIR, dtype=torch.float32)
+    first, *rest = adapters
+    model = PeftModel.from_pretrained(base.eval(), EMBEDDED_ADAPTERS_DIR / first, first)
+    for name in rest:
+        model.load_adapter(EMBEDDED_ADAPTERS_DIR / name, adapter_name=name)
+    return model.eval()
 
 
 @torch.no_grad()

@@ -1,6 +1,9 @@
 """Inference service fixtures: one real store (Redis + SeaweedFS) per test module with the
 embedded demo model registered and its PEFT adapters uploaded, and in-process inference
-replicas wired as `serve` wires them."""
+replicas wired as `serve` wires them.
+
+The store harness (redis, boto3) is imported inside the fixtures: the GPU machine lacks
+those packages and still collects this folder for its `gpu` tests."""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from adapter_store.client import StoreClient
@@ -20,9 +22,8 @@ from inference_svc.app import AppConfig
 from inference_svc.model.tiny import EMBEDDED_ADAPTERS_DIR, EMBEDDED_BASE_DIR
 from inference_svc.runtime import RuntimeConfig
 from tests.fixtures.servers import RedisServer, SeaweedS3Server
+from tests.inference.client import load_peft_oracle
 from tests.inference.harness import InProcessInference
-from tests.store.conftest import drop_bucket
-from tests.store.harness import InProcessStore
 
 BASE_MODEL = "tiny"
 EMBEDDED_ADAPTERS = ("docs-prose", "shouty", "unittest-style")
@@ -47,22 +48,24 @@ async def _upload(address: str, uploads: list[tuple[Path, str]]) -> None:
             await client.upload_dir(folder, name=name, base_model=BASE_MODEL)
 
 
-def upload(store: InProcessStore, uploads: list[tuple[Path, str]]) -> None:
+def upload(store, uploads: list[tuple[Path, str]]) -> None:
     asyncio.run(_upload(store.address, uploads))
 
 
 @pytest.fixture(scope="module")
 def module_bucket(s3_server: SeaweedS3Server) -> Iterator[str]:
+    from tests.store.conftest import drop_bucket
+
     bucket = f"inf-{uuid.uuid4().hex[:10]}"
     yield bucket
     drop_bucket(s3_server.endpoint_url, bucket)
 
 
 @pytest.fixture(scope="module")
-def store(
-    redis_server: RedisServer, s3_server: SeaweedS3Server, module_bucket: str
-) -> Iterator[InProcessStore]:
+def store(redis_server: RedisServer, s3_server: SeaweedS3Server, module_bucket: str):
     """A store holding the embedded adapters (version 1 each) of base model 'tiny'."""
+    from tests.store.harness import InProcessStore
+
     redis_server.flushall()
     harness = InProcessStore(redis_server.url, s3_server.endpoint_url, module_bucket).start()
     upload(harness, [(EMBEDDED_ADAPTERS_DIR / name, name) for name in EMBEDDED_ADAPTERS])
@@ -72,7 +75,7 @@ def store(
 
 @pytest.fixture(scope="module")
 def app_config(
-    store: InProcessStore, redis_server: RedisServer, s3_server: SeaweedS3Server, module_bucket
+    store, redis_server: RedisServer, s3_server: SeaweedS3Server, module_bucket
 ) -> AppConfig:
     return AppConfig(
         runtime=RuntimeConfig(
@@ -113,14 +116,4 @@ def start_inference(app_config: AppConfig) -> Iterator[Callable[..., InProcessIn
 
 @pytest.fixture(scope="session")
 def peft_oracle():
-    """transformers DeepseekV3ForCausalLM of the embedded model in float32 on CPU, with the
-    embedded adapters loaded by peft (select with `set_adapter`, base: `disable_adapter`)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(EMBEDDED_BASE_DIR, dtype=torch.float32)
-    first, *rest = EMBEDDED_ADAPTERS
-    model = PeftModel.from_pretrained(base.eval(), EMBEDDED_ADAPTERS_DIR / first, first)
-    for name in rest:
-        model.load_adapter(EMBEDDED_ADAPTERS_DIR / name, adapter_name=name)
-    return model.eval()
+    return load_peft_oracle(EMBEDDED_ADAPTERS)

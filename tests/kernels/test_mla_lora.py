@@ -8,6 +8,7 @@ import torch
 
 from kernels.lora_segments import LoraSegmentsConfig, allocate_lora_segments, build_lora_segments
 from kernels.mla_lora import (
+    MLA_VARIANTS,
     mla_kv_b_lora_o,
     mla_kv_b_lora_o_ref,
     mla_kv_b_lora_q,
@@ -59,29 +60,47 @@ def _dense_kv_b_delta(A, B, segs, q_nope, o_lat, v_dim):  # type: ignore[no-unty
     return dq, do
 
 
+@pytest.mark.parametrize("variant", MLA_VARIANTS)
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kv_b_lora_matches_reference(popularity, dtype) -> None:  # type: ignore[no-untyped-def]
+def test_kv_b_lora_matches_reference(popularity, dtype, variant) -> None:  # type: ignore[no-untyped-def]
     segs, A, B, q_nope, q_lat, o_lat, o = _mla_case(popularity, 21, 16, dtype, seed=1)
     f32 = [t.float() for t in (A, B, q_nope, q_lat, o_lat, o)]
     expected_q = mla_kv_b_lora_q_ref(f32[2], f32[3].clone(), f32[0], f32[1], segs)
     expected_o = mla_kv_b_lora_o_ref(f32[4], f32[5].clone(), f32[0], f32[1], segs)
-    assert_close(mla_kv_b_lora_q(q_nope, q_lat, A, B, segs), expected_q, dtype)
-    assert_close(mla_kv_b_lora_o(o_lat, o, A, B, segs), expected_o, dtype)
+    got_q = mla_kv_b_lora_q(q_nope, q_lat, A, B, segs, variant=variant)
+    assert_close(got_q, expected_q, dtype)
+    assert_close(mla_kv_b_lora_o(o_lat, o, A, B, segs, variant=variant), expected_o, dtype)
 
 
-def test_kv_b_lora_never_reads_past_a_slot_rank() -> None:
+@pytest.mark.parametrize("variant", MLA_VARIANTS)
+def test_grid_sized_for_capacity_with_few_live_segments(variant, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A CUDA-graph replay's view: the grid is planned for 40 segments of capacity while a
+    few are live (v1 starts 40 × H programs, most of them empty)."""
+    segs, A, B, q_nope, q_lat, o_lat, o = _mla_case("zipf", 9, 16, torch.float32, 8)
+    big = allocate_lora_segments(LoraSegmentsConfig(max_tokens=40, num_slots=5), "cpu")
+    segs = build_lora_segments(segs.token_slot[:9].tolist(), segs.slot_rank, out=big)
+    monkeypatch.setattr(type(segs), "grid_segments", lambda self: self.max_segments)
+    q_exp = mla_kv_b_lora_q_ref(q_nope, q_lat.clone(), A, B, segs)
+    o_exp = mla_kv_b_lora_o_ref(o_lat, o.clone(), A, B, segs)
+    assert_close(mla_kv_b_lora_q(q_nope, q_lat, A, B, segs, variant=variant), q_exp, torch.float32)
+    assert_close(mla_kv_b_lora_o(o_lat, o, A, B, segs, variant=variant), o_exp, torch.float32)
+
+
+@pytest.mark.parametrize("variant", MLA_VARIANTS)
+def test_kv_b_lora_never_reads_past_a_slot_rank(variant) -> None:  # type: ignore[no-untyped-def]
     segs, A, B, q_nope, q_lat, o_lat, o = _mla_case(
         "zipf", 13, 32, torch.float32, 2, poison=float("nan")
     )
-    q_got = mla_kv_b_lora_q(q_nope, q_lat.clone(), A, B, segs)
-    o_got = mla_kv_b_lora_o(o_lat, o.clone(), A, B, segs)
+    q_got = mla_kv_b_lora_q(q_nope, q_lat.clone(), A, B, segs, variant=variant)
+    o_got = mla_kv_b_lora_o(o_lat, o.clone(), A, B, segs, variant=variant)
     assert torch.isfinite(q_got).all() and torch.isfinite(o_got).all()
     assert_close(q_got, mla_kv_b_lora_q_ref(q_nope, q_lat, A, B, segs), torch.float32)
     assert_close(o_got, mla_kv_b_lora_o_ref(o_lat, o, A, B, segs), torch.float32)
 
 
-def test_long_segments_and_wide_latent() -> None:
+@pytest.mark.parametrize("variant", MLA_VARIANTS)
+def test_long_segments_and_wide_latent(variant) -> None:  # type: ignore[no-untyped-def]
     """40 tokens of one adapter span 3 segments; C=300 spans 3 latent blocks."""
     dims = (2, 24, 8, 20, 300)
     segs, A, B, q_nope, q_lat, o_lat, o = _mla_case(
@@ -90,8 +109,8 @@ def test_long_segments_and_wide_latent() -> None:
     assert segs.num_live_segments == 3
     q_exp = mla_kv_b_lora_q_ref(q_nope, q_lat.clone(), A, B, segs)
     o_exp = mla_kv_b_lora_o_ref(o_lat, o.clone(), A, B, segs)
-    assert_close(mla_kv_b_lora_q(q_nope, q_lat, A, B, segs), q_exp, torch.float32)
-    assert_close(mla_kv_b_lora_o(o_lat, o, A, B, segs), o_exp, torch.float32)
+    assert_close(mla_kv_b_lora_q(q_nope, q_lat, A, B, segs, variant=variant), q_exp, torch.float32)
+    assert_close(mla_kv_b_lora_o(o_lat, o, A, B, segs, variant=variant), o_exp, torch.float32)
 
 
 def test_reference_equals_dense_delta_in_fp64() -> None:
@@ -119,9 +138,10 @@ V3_DIMS = (128, 128, 64, 128, 512)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", MLA_VARIANTS)
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize("num_tokens,pool_rank", [(1, 16), (64, 64)])
-def test_kv_b_lora_bf16_gpu(popularity, num_tokens, pool_rank) -> None:  # type: ignore[no-untyped-def]
+def test_kv_b_lora_bf16_gpu(popularity, num_tokens, pool_rank, variant) -> None:  # type: ignore[no-untyped-def]
     case = _mla_case(popularity, num_tokens, pool_rank, torch.bfloat16, 6, dims=V3_DIMS)
     segs = build_lora_segments(
         case[0].token_slot[:num_tokens].tolist(), case[0].slot_rank, device="cuda"
@@ -130,12 +150,15 @@ def test_kv_b_lora_bf16_gpu(popularity, num_tokens, pool_rank) -> None:  # type:
     f32 = [t.float() for t in (A, B, q_nope, q_lat, o_lat, o)]
     expected_q = mla_kv_b_lora_q_ref(f32[2], f32[3].clone(), f32[0], f32[1], segs)
     expected_o = mla_kv_b_lora_o_ref(f32[4], f32[5].clone(), f32[0], f32[1], segs)
-    assert_close(mla_kv_b_lora_q(q_nope, q_lat, A, B, segs), expected_q, torch.bfloat16)
-    assert_close(mla_kv_b_lora_o(o_lat, o, A, B, segs), expected_o, torch.bfloat16)
+    got_q = mla_kv_b_lora_q(q_nope, q_lat, A, B, segs, variant=variant)
+    assert_close(got_q, expected_q, torch.bfloat16)
+    got_o = mla_kv_b_lora_o(o_lat, o, A, B, segs, variant=variant)
+    assert_close(got_o, expected_o, torch.bfloat16)
 
 
 @pytest.mark.gpu
-def test_kv_b_lora_cuda_graph_replay_with_more_segments() -> None:
+@pytest.mark.parametrize("variant", MLA_VARIANTS)
+def test_kv_b_lora_cuda_graph_replay_with_more_segments(variant) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(7)
     heads, nope, _, v_dim, lat = V3_DIMS
     max_tokens, num_slots, pool_rank = 32, 8, 16
@@ -151,8 +174,8 @@ def test_kv_b_lora_cuda_graph_replay_with_more_segments() -> None:
     def step() -> None:
         q_lat.zero_()
         o.zero_()
-        mla_kv_b_lora_q(q_nope, q_lat, A, B, segs)
-        mla_kv_b_lora_o(o_lat, o, A, B, segs)
+        mla_kv_b_lora_q(q_nope, q_lat, A, B, segs, variant=variant)
+        mla_kv_b_lora_o(o_lat, o, A, B, segs, variant=variant)
 
     build_lora_segments([1] * max_tokens, ranks, out=segs)
     step()

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from kernels.lora_segments import LoraSegmentsConfig, allocate_lora_segments, build_lora_segments
-from kernels.sgmv import sgmv_expand, sgmv_expand_ref, sgmv_shrink, sgmv_shrink_ref
+from kernels.sgmv import (
+    EXPAND_VARIANTS,
+    SHRINK_VARIANTS,
+    sgmv_expand,
+    sgmv_expand_ref,
+    sgmv_shrink,
+    sgmv_shrink_ref,
+)
 from tests.kernels.lora_cases import (
     POPULARITIES,
     assert_close,
@@ -23,6 +30,8 @@ from tests.kernels.lora_cases import (
 # Unequal stacked slices like attn.qkv_a (q_lora_rank | kv_lora_rank + rope), odd widths.
 QKV_A_SLICES = [0, 37, 37 + 45]
 DENSE_SLICES = [0, 53]
+# (shrink, expand) variant pairs: every variant of both tables is covered.
+VARIANTS = list(zip(SHRINK_VARIANTS, EXPAND_VARIANTS, strict=True))
 
 
 def _lora_case(popularity, num_tokens, in_dim, slice_offsets, pool_rank, dtype, seed, poison=0.0):  # type: ignore[no-untyped-def]
@@ -55,39 +64,66 @@ def _dense_delta(x, A, B, segs, slice_offsets):  # type: ignore[no-untyped-def]
     return delta
 
 
+@pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize("slice_offsets", [DENSE_SLICES, QKV_A_SLICES], ids=["1slice", "qkv_a"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_sgmv_matches_reference(popularity, slice_offsets, dtype) -> None:  # type: ignore[no-untyped-def]
+def test_sgmv_matches_reference(popularity, slice_offsets, dtype, variants) -> None:  # type: ignore[no-untyped-def]
     num_slices = len(slice_offsets) - 1
+    shrink_v, expand_v = variants
     # in=53 fits one K block: the split-free (plain store) shrink path.
     segs, x, A, B, out = _lora_case(popularity, 23, 53, slice_offsets, 16, dtype, seed=1)
-    y = sgmv_shrink(x, A, segs, num_slices)
+    y = sgmv_shrink(x, A, segs, num_slices, variant=shrink_v)
     y_ref = sgmv_shrink_ref(x.float(), A.float(), segs, num_slices)
     assert_close(y, y_ref, dtype)
     expected = sgmv_expand_ref(y_ref, B.float(), out.float(), segs, slice_offsets)
-    assert_close(sgmv_expand(y, B, out, segs, slice_offsets), expected, dtype)
+    assert_close(sgmv_expand(y, B, out, segs, slice_offsets, variant=expand_v), expected, dtype)
 
 
+@pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_split_k_prefill_segments_and_rank_below_block(dtype) -> None:  # type: ignore[no-untyped-def]
+def test_split_k_prefill_segments_and_rank_below_block(dtype, variants) -> None:  # type: ignore[no-untyped-def]
     """K=300 spans 3 K-blocks (split-K with atomics), 40-token runs span several segments,
     pool rank 32 with ranks 1..32 exercises two rank blocks and masked rank tails."""
+    shrink_v, expand_v = variants
     segs, x, A, B, out = _lora_case("skewed", 70, 300, QKV_A_SLICES, 32, dtype, seed=2)
-    y = sgmv_shrink(x, A, segs, 2)
+    y = sgmv_shrink(x, A, segs, 2, variant=shrink_v)
     y_ref = sgmv_shrink_ref(x.float(), A.float(), segs, 2)
     assert_close(y, y_ref, dtype)
     expected = sgmv_expand_ref(y_ref, B.float(), out.float(), segs, QKV_A_SLICES)
-    assert_close(sgmv_expand(y, B, out, segs, QKV_A_SLICES), expected, dtype)
+    got = sgmv_expand(y, B, out, segs, QKV_A_SLICES, variant=expand_v)
+    assert_close(got, expected, dtype)
 
 
-def test_kernels_never_read_past_a_slot_rank() -> None:
+@pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
+def test_grid_sized_for_capacity_with_few_live_segments(variants, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """What a CUDA-graph replay sees: a grid planned for 48 segments of capacity, 4 live ones
+    (the planned kernels read the live count on the device; v1 runs empty programs)."""
+    shrink_v, expand_v = variants
+    segs = allocate_lora_segments(LoraSegmentsConfig(max_tokens=48, num_slots=3), "cpu")
+    build_lora_segments([0, 0, 2, -1, 1, 1, 1], [3, 16, 7], out=segs)
+    monkeypatch.setattr(type(segs), "grid_segments", lambda self: self.max_segments)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(7, 300, generator=gen)
+    A = pool_A([3, 16, 7], 2, 16, 300)
+    B = pool_B([3, 16, 7], 300, 16)
+    out = torch.randn(7, 300, generator=gen)
+    y = sgmv_shrink(x, A, segs, 2, variant=shrink_v)
+    assert_close(y, sgmv_shrink_ref(x, A, segs, 2), torch.float32)
+    # 4 live segments x 4..6 column blocks: more items than the 16 CPU programs.
+    got = sgmv_expand(y, B, out.clone(), segs, [0, 130, 300], variant=expand_v)
+    assert_close(got, sgmv_expand_ref(y, B, out, segs, [0, 130, 300]), torch.float32)
+
+
+@pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
+def test_kernels_never_read_past_a_slot_rank(variants) -> None:  # type: ignore[no-untyped-def]
     """NaN in every unused rank row/column: a kernel that touches them returns NaN."""
+    shrink_v, expand_v = variants
     segs, x, A, B, out = _lora_case(
         "zipf", 19, 67, QKV_A_SLICES, 16, torch.float32, 3, poison=float("nan")
     )
-    y = sgmv_shrink(x, A, segs, 2)
-    got = sgmv_expand(y, B, out.clone(), segs, QKV_A_SLICES)
+    y = sgmv_shrink(x, A, segs, 2, variant=shrink_v)
+    got = sgmv_expand(y, B, out.clone(), segs, QKV_A_SLICES, variant=expand_v)
     assert torch.isfinite(got).all()
     assert_close(
         got,
@@ -151,11 +187,12 @@ def test_launchers_reject_mismatched_shapes() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize(
     "num_tokens,in_dim,pool_rank", [(1, 7168, 16), (64, 7168, 64), (300, 2048, 16)]
 )
-def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank) -> None:  # type: ignore[no-untyped-def]
+def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank, variants) -> None:  # type: ignore[no-untyped-def]
     slices = [0, 1536, 1536 + 576]
     segs, x, A, B, out = _lora_case(
         popularity, num_tokens, in_dim, slices, pool_rank, torch.bfloat16, 7
@@ -164,15 +201,21 @@ def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank) -> None:  # ty
         segs.token_slot[: segs.num_tokens].tolist(), segs.slot_rank, device="cuda"
     )
     x, A, B, out = (t.cuda() for t in (x, A, B, out))
-    y = sgmv_shrink(x, A, segs, 2)
+    shrink_v, expand_v = variants
+    y = sgmv_shrink(x, A, segs, 2, variant=shrink_v)
     y_ref = sgmv_shrink_ref(x.float(), A.float(), segs, 2)
     assert_close(y, y_ref, torch.bfloat16)
     expected = sgmv_expand_ref(y_ref, B.float(), out.float(), segs, slices)
-    assert_close(sgmv_expand(y, B, out, segs, slices), expected, torch.bfloat16)
+    got = sgmv_expand(y, B, out, segs, slices, variant=expand_v)
+    assert_close(got, expected, torch.bfloat16)
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_with_more_segments_than_at_capture() -> None:
+@pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
+@pytest.mark.parametrize("capture_slots", ["one", "many"])
+def test_cuda_graph_replay_with_other_segments_than_at_capture(variants, capture_slots) -> None:  # type: ignore[no-untyped-def]
+    """Captured with one segment and replayed with many (the planned split must grow
+    shorter), and captured with many and replayed with one (it must grow longer)."""
     gen = torch.Generator().manual_seed(8)
     num_slots, pool_rank, hidden, max_tokens = 8, 16, 1024, 64
     ranks = mixed_ranks(num_slots, pool_rank, gen)
@@ -182,20 +225,25 @@ def test_cuda_graph_replay_with_more_segments_than_at_capture() -> None:
     x = torch.randn(max_tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
     out = torch.zeros(max_tokens, hidden, device="cuda", dtype=torch.bfloat16)
 
+    shrink_v, expand_v = variants
+
     def step() -> None:
         out.zero_()
-        sgmv_expand(sgmv_shrink(x, A, segs), B, out, segs, [0, hidden])
+        y = sgmv_shrink(x, A, segs, variant=shrink_v)
+        sgmv_expand(y, B, out, segs, [0, hidden], variant=expand_v)
 
-    build_lora_segments([0] * max_tokens, ranks, out=segs)  # capture with one segment
+    many = sorted(popular_slots("distinct", max_tokens, num_slots, gen))
+    one = [1] * max_tokens
+    capture, replay = (one, many) if capture_slots == "one" else (many, one)
+    captured_segments = build_lora_segments(capture, ranks, out=segs).num_live_segments
     for _ in range(2):  # compile outside the capture
         step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    replay_slots = sorted(popular_slots("distinct", max_tokens, num_slots, gen))
-    build_lora_segments(replay_slots, ranks, out=segs)
-    assert segs.num_live_segments > 1
+    build_lora_segments(replay, ranks, out=segs)
+    assert segs.num_live_segments != captured_segments
     graph.replay()
     torch.cuda.synchronize()
     expected = sgmv_expand_ref(

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fixtures.random_adapters import random_adapter
 from tests.fixtures.tiny_models import build_tiny_model, tiny_config
-from tests.inference.random_adapters import random_adapter
 from tests.lora.harness import (
     TOL,
     Scenario,
@@ -129,3 +129,28 @@ def test_batch_without_adapters_does_no_lora_work(tiny_model_dirs, monkeypatch):
 
 def _must_not_run(*args, **kwargs):
     raise AssertionError("a batch without adapters ran a LoRA kernel")
+
+
+def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatch):
+    """The LoRA deltas through the Triton launchers (interpreted on CPU): their integration
+    (strides of q_nope / q_lat views, stacked slices, per-pair MoE rows, decode segments of
+    a mixed step) checked end to end."""
+    from inference_svc.lora import apply
+    from kernels import mla_lora, moe_lora, sgmv
+
+    for module, names in (
+        (sgmv, ("sgmv_shrink", "sgmv_expand")),
+        (mla_lora, ("mla_kv_b_lora_q", "mla_kv_b_lora_o")),
+        (moe_lora, ("moe_lora_gate_up", "moe_lora_down")),
+    ):
+        for name in names:
+            monkeypatch.setattr(apply, f"{name}_ref", getattr(module, name))
+    spec = "v3_q_lora"
+    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=3, max_rank=16)
+    cases = [peft_case(spec, rank=4, seed=14), peft_case(spec, rank=16, seed=15)]
+    for slot, (_, adapter) in zip((2, 0), cases, strict=True):
+        runner.lora_pool.load(slot, adapter)
+    tokens = random_tokens([6, 7, 5], seed=16)
+    scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, [2, -1, 0], strict=True)])
+    scenario.run([3, 4, 0], [1, 1, 3])
+    _check(scenario, [cases[0][0], build_tiny_model(spec), cases[1][0]])

@@ -1,0 +1,257 @@
+"""Whole-step LoRA overhead: decode step with 32 distinct rank-16 adapters vs no LoRA.
+
+A DeepSeek-V2-Lite-shaped model with random bf16 weights and `q_lora_rank` 1536 (so
+attn.qkv_a has its two unequal slices and attn.q_b exists), `--layers` decoder layers (default
+8 = 1 dense + 7 MoE of V2-Lite's 27, to keep memory and the run short; the overhead is a
+per-layer ratio, `--layers 27` gives the full model). Adapters cover every canonical module
+and are written straight into the slot pool with random values (the load path is not what
+is timed). Decode steps are CUDA-graph replays through `ModelRunner.execute` at batch
+1 / 64 / 256, each sequence with `--context` cached tokens, timed like bench.model_decode
+(`bench.gpu_timing.time_ms`: warm-up, L2 flush, median).
+
+Also the MoE LoRA cost on its own: one MoE layer at batch 64, 8 adapters, as
+(t_with_lora − t_base) ÷ t_base, both as CUDA-graph replays.
+
+Goals (TARGETS.md / issue 6): overhead ≤ 15% (throughput ratio ≥ 0.90 in TARGETS), MoE LoRA
+cost ≤ 0.25.
+
+    python -m bench.lora_decode_overhead --out bench/results/lora_decode_overhead.json
+    python -m bench.lora_decode_overhead --smoke   # CPU: the same setup at tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adapter_store.format import model_lora_shapes
+from bench.gpu_timing import device_name, time_ms
+from bench.model_decode import SMOKE_OVERRIDES, V2_LITE_Q_LORA, random_model
+from inference_svc.engine.batch import BatchMetadata, SequenceStep, build_batch
+from inference_svc.engine.kv_pages import pages_for
+from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
+from inference_svc.lora.pool import LoraPool, LoraPoolConfig
+from inference_svc.model.config import parse_config
+from inference_svc.models.deepseek_v3 import DeepseekV3Model
+from kernels.lora_segments import build_lora_segments
+
+BATCHES = (1, 64, 256)
+NUM_ADAPTERS = 32
+RANK = 16
+MOE_BATCH, MOE_ADAPTERS = 64, 8
+PAGE_SIZE = 16
+GOAL_OVERHEAD, GOAL_MOE_RATIO = 0.15, 0.25
+
+
+def v2_lite_config(layers: int, smoke: bool = False) -> dict[str, Any]:
+    """V2-Lite's shape with q_lora_rank 1536 (as bench.model_decode) and `layers` layers."""
+    return {**V2_LITE_Q_LORA, **(SMOKE_OVERRIDES if smoke else {}), "num_hidden_layers": layers}
+
+
+@dataclass
+class Setup:
+    runner: ModelRunner
+    context: int
+    num_slots: int
+
+    @property
+    def model(self) -> DeepseekV3Model:
+        return self.runner.model
+
+
+def fill_pool(pool: LoraPool, num_adapters: int) -> None:
+    """Random rank-`pool.max_rank` adapters on every module in slots [0, num_adapters)."""
+    generator = torch.Generator(device=pool.device).manual_seed(1)
+    with torch.no_grad():
+        for layer, module in pool.module_instances():
+            for buffer in (pool.lora_a(layer, module), pool.lora_b(layer, module)):
+                buffer[:num_adapters].normal_(0.0, 0.02, generator=generator)
+        pool.slot_rank[:num_adapters] = pool.max_rank
+    pool.slot_rank_host[:num_adapters] = [pool.max_rank] * num_adapters
+
+
+def make_setup(
+    hf_config: dict[str, Any], device: str, context: int, batches: tuple[int, ...], graphs: bool
+) -> Setup:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = random_model(parse_config(hf_config), torch.device(device), dtype)
+    shapes = model_lora_shapes(hf_config)
+    pool_config = LoraPoolConfig(RANK, dtype=dtype, device=device, max_loras=NUM_ADAPTERS)
+    pool = LoraPool(shapes, NUM_ADAPTERS, pool_config)
+    fill_pool(pool, NUM_ADAPTERS)
+    pages = max(batches) * pages_for(context, PAGE_SIZE)
+    runner_config = RunnerConfig(
+        num_pages=pages,
+        page_size=PAGE_SIZE,
+        max_pages_per_seq=pages_for(context, PAGE_SIZE),
+        cuda_graph_batch_sizes=batches,
+    )
+    runner = ModelRunner(model, runner_config, pool)
+    if graphs:
+        runner.capture_decode_graphs()
+    return Setup(runner, context, NUM_ADAPTERS)
+
+
+def decode_batch(setup: Setup, size: int, adapters: int) -> tuple[torch.Tensor, BatchMetadata]:
+    """`size` decode sequences of `context` tokens; `adapters` distinct slots grouped as the
+    scheduler orders them (0 adapters: base model only)."""
+    per_seq = pages_for(setup.context, PAGE_SIZE)
+    steps = []
+    for b in range(size):
+        slot = b * adapters // size if adapters else -1
+        pages = tuple(range(b * per_seq, (b + 1) * per_seq))
+        steps.append(SequenceStep(setup.context - 1, 1, pages, lora_slot=slot))
+    runner = setup.runner
+    batch = build_batch(steps, PAGE_SIZE, runner.device, runner.lora_slot_rank)
+    vocab = setup.model.config.vocab_size
+    input_ids = torch.randint(0, vocab, (size,), device=runner.device)
+    return input_ids, batch
+
+
+def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """`fn` captured once as a CUDA graph (after a warm-up that compiles its kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+@dataclass
+class StepRow:
+    batch: int
+    adapters: int
+    base_us: float
+    lora_us: float
+
+    @property
+    def overhead(self) -> float:
+        return self.lora_us / self.base_us - 1.0
+
+
+def measure_steps(setup: Setup, batches: tuple[int, ...]) -> list[StepRow]:
+    rows = []
+    for size in batches:
+        adapters = min(size, setup.num_slots)
+        times = []
+        for count in (0, adapters):
+            input_ids, batch = decode_batch(setup, size, count)
+            step = functools.partial(setup.runner.execute, input_ids, batch)
+            times.append(1e3 * time_ms(step, setup.runner.device))
+        rows.append(StepRow(size, adapters, *times))
+        print(
+            f"decode B={size:<4} adapters={adapters:<3} base {times[0]:9.1f} µs  "
+            f"LoRA {times[1]:9.1f} µs  overhead {rows[-1].overhead:+.1%}"
+        )
+    return rows
+
+
+def measure_moe(setup: Setup) -> dict[str, float]:
+    """One MoE layer at batch 64 with 8 adapters: LoRA cost ÷ base fused MoE."""
+    moe = next(layer.moe for layer in setup.model.layers if layer.moe is not None)
+    hidden = setup.model.config.hidden_size
+    x = torch.randn(MOE_BATCH, hidden, device="cuda", dtype=setup.model.dtype)
+    slots = [b * MOE_ADAPTERS // MOE_BATCH for b in range(MOE_BATCH)]
+    segs = build_lora_segments(slots, setup.runner.lora_pool.slot_rank, device="cuda")
+    device = torch.device("cuda")
+    with torch.inference_mode():
+        base = 1e3 * time_ms(graphed(lambda: moe(x)), device)
+        with_lora = 1e3 * time_ms(graphed(lambda: moe(x, segs)), device)
+    ratio = (with_lora - base) / base
+    print(
+        f"MoE B={MOE_BATCH} adapters={MOE_ADAPTERS}: base {base:.1f} µs, with LoRA "
+        f"{with_lora:.1f} µs → LoRA cost ÷ base {ratio:.3f} (goal ≤ {GOAL_MOE_RATIO})"
+    )
+    return {"batch": MOE_BATCH, "adapters": MOE_ADAPTERS, "base_us": base,
+            "lora_us": with_lora, "ratio": ratio}  # fmt: skip
+
+
+def plot(results: dict[str, Any], png_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["decode"]
+    fig, (ax_t, ax_o) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [str(r["batch"]) for r in rows]
+    xs = range(len(rows))
+    ax_t.bar([x - 0.2 for x in xs], [r["base_us"] for r in rows], 0.4, label="no LoRA")
+    ax_t.bar([x + 0.2 for x in xs], [r["lora_us"] for r in rows], 0.4, label="32 × rank 16")
+    ax_t.set(xticks=list(xs), xticklabels=labels, xlabel="decode batch", ylabel="step µs")
+    ax_t.set_title(f"decode step, V2-Lite shape, {results['layers']} layers")
+    ax_t.legend()
+    ax_o.bar(labels, [100 * r["overhead"] for r in rows], label="decode step overhead")
+    ax_o.axhline(100 * GOAL_OVERHEAD, color="red", linestyle="--", label="goal 15%")
+    moe = results["moe"]
+    ax_o.set(xlabel="decode batch", ylabel="LoRA overhead %")
+    ax_o.set_title(f"MoE LoRA cost ÷ base at B=64, 8 adapters: {moe['ratio']:.2f} (goal ≤ 0.25)")
+    ax_o.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    print(f"plot: {png_path}")
+
+
+def run(out: Path, layers: int, context: int) -> None:
+    start = time.perf_counter()
+    setup = make_setup(v2_lite_config(layers), "cuda", context, BATCHES, graphs=True)
+    print(f"setup + graph capture: {time.perf_counter() - start:.0f} s")
+    rows = measure_steps(setup, BATCHES)
+    results = {
+        "device": device_name(torch.device("cuda")),
+        "model": "DeepSeek-V2-Lite shape, q_lora_rank 1536, random bf16 weights",
+        "layers": layers,
+        "context": context,
+        "rank": RANK,
+        "num_adapters": NUM_ADAPTERS,
+        "decode": [{**asdict(r), "overhead": r.overhead} for r in rows],
+        "moe": measure_moe(setup),
+        "goals": {"decode_overhead": GOAL_OVERHEAD, "moe_ratio": GOAL_MOE_RATIO},
+        "seconds": time.perf_counter() - start,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    plot(results, out.with_suffix(".png"))
+
+
+def smoke() -> None:
+    """CPU: build the same setup at tiny sizes and run one eager step of each batch kind."""
+    setup = make_setup(v2_lite_config(2, smoke=True), "cpu", 20, batches=(1, 8), graphs=False)
+    for size in (1, 8):
+        for adapters in (0, min(size, setup.num_slots)):
+            input_ids, batch = decode_batch(setup, size, adapters)
+            assert (batch.lora is None) == (adapters == 0)
+            logits = setup.runner.execute(input_ids, batch)
+            vocab = setup.model.config.vocab_size
+            assert logits.shape == (size, vocab) and torch.isfinite(logits).all()
+    print("smoke ok")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, help="results JSON (GPU run); the PNG goes beside it")
+    parser.add_argument("--smoke", action="store_true", help="CPU: the setup at tiny sizes")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (V2-Lite: 27)")
+    parser.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
+    args = parser.parse_args()
+    if args.smoke:
+        smoke()
+    elif args.out:
+        run(args.out, args.layers, args.context)
+    else:
+        parser.error("give --out or --smoke")
+
+
+if __name__ == "__main__":
+    main()

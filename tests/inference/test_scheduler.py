@@ -1,0 +1,242 @@
+"""Scheduler invariants, driven step by step without a model: fairness across adapters,
+adapters streaming in without holding others up, slot limits, preemption, freeing.
+
+The engine's part (running the batch, appending tokens) is played by `complete`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from adapter_store.errors import NotFound, ResourceExhausted
+from adapter_store.format import CanonicalAdapter
+from adapter_store.model_shapes import model_lora_shapes
+from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig
+from inference_svc.adapters.residency import AdapterResidency
+from inference_svc.engine.lora_slots import LoraSlotAllocator
+from inference_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from inference_svc.engine.sequence import (
+    AdapterBinding,
+    FinishReason,
+    GenerationParams,
+    Sequence,
+    SequenceStatus,
+)
+from inference_svc.lora.pool import LoraPool, LoraPoolConfig
+from inference_svc.metrics import InferenceMetrics
+from inference_svc.model.tiny import EMBEDDED_BASE_DIR
+from inference_svc.model.tokenizer import ByteTokenizer
+from tests.fixtures.random_adapters import random_adapter
+
+HF_CONFIG = json.loads((EMBEDDED_BASE_DIR / "config.json").read_text())
+
+
+class FakeSource:
+    """Random adapters by name; `gate(name)` holds that adapter's download until `open`."""
+
+    tier = "s3"
+
+    def __init__(self) -> None:
+        self.gates: dict[str, threading.Event] = {}
+        self.fetched: list[str] = []
+
+    def gate(self, name: str) -> threading.Event:
+        return self.gates.setdefault(name, threading.Event())
+
+    def fetch(self, adapter: AdapterBinding) -> CanonicalAdapter:
+        if adapter.name in self.gates:
+            self.gates[adapter.name].wait(10)
+        if adapter.name.startswith("missing"):
+            raise NotFound(f"adapter {adapter.label} is gone")
+        self.fetched.append(adapter.name)
+        return random_adapter(HF_CONFIG, 4, seed=hash(adapter.name) % 1000, modules=["attn.o"])
+
+
+def binding(name: str) -> AdapterBinding:
+    return AdapterBinding("default", name, 1, 4, "0" * 64, 1000, "tiny")
+
+
+def make_scheduler(num_slots=2, num_pages=64, max_num_seqs=8, budget=64, page_size=4):
+    metrics = InferenceMetrics()
+    pool_config = LoraPoolConfig(8, dtype=torch.float32, device="cpu", max_loras=num_slots)
+    pool = LoraPool(model_lora_shapes(HF_CONFIG), num_slots, pool_config)
+    fetched = threading.Event()
+    source = FakeSource()
+    residency = AdapterResidency(
+        source, HostAdapterCache(HostCacheConfig(1 << 28)), pool, metrics, fetched.set
+    )
+    config = SchedulerConfig(
+        num_pages=num_pages,
+        page_size=page_size,
+        max_model_len=256,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+    )
+    scheduler = Scheduler(config, LoraSlotAllocator(num_slots), residency, metrics)
+    return scheduler, source, fetched
+
+
+_ids = iter(range(10**6))
+
+
+def seq(adapter: str | None = None, prompt_len: int = 6, max_new: int = 4) -> Sequence:
+    tokenizer = ByteTokenizer(eos_token_ids=(1,))
+    return Sequence(
+        f"r{next(_ids)}",
+        [65] * prompt_len,
+        GenerationParams(max_new_tokens=max_new),
+        tokenizer,
+        (),
+        None if adapter is None else binding(adapter),
+    )
+
+
+def complete(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    """What the engine does after running `out`: advance, append a token, finish."""
+    for s in out.scheduled:
+        s.seq.num_computed += s.query_len
+        if s.seq.num_computed == s.seq.num_tokens:
+            s.seq.output_token_ids.append(66)
+            if len(s.seq.output_token_ids) >= s.seq.params.max_new_tokens:
+                scheduler.finish(s.seq, FinishReason.LENGTH)
+
+
+def settle(scheduler: Scheduler) -> SchedulerOutput:
+    """Schedule until adapters requested so far have arrived (downloads are threads)."""
+    for _ in range(200):
+        out = scheduler.schedule()
+        if not any(scheduler.residency.fetching()):
+            return out if out.scheduled else scheduler.schedule()
+        complete(scheduler, out)
+        threading.Event().wait(0.01)
+    raise AssertionError("downloads did not finish")
+
+
+def drain(scheduler: Scheduler) -> None:
+    for _ in range(1000):
+        if not scheduler.has_work():
+            return
+        complete(scheduler, settle(scheduler))
+    raise AssertionError("the scheduler never emptied")
+
+
+def test_round_robin_over_adapters_lets_a_cold_adapter_in() -> None:
+    scheduler, _, _ = make_scheduler(num_slots=2, max_num_seqs=3)
+    hot = [seq("hot") for _ in range(10)]
+    cold, base = seq("cold"), seq(None)
+    for s in [*hot, cold, base]:
+        scheduler.add(s)
+    first = settle(scheduler)
+    admitted = {s.seq.request_id for s in first.scheduled}
+    assert {cold.request_id, base.request_id} <= admitted
+    assert len(admitted) == 3  # one of the hot requests took the third seat
+
+
+def test_waiting_adapter_does_not_hold_up_others() -> None:
+    scheduler, source, _ = make_scheduler()
+    gate = source.gate("slow")
+    slow, base, other = seq("slow"), seq(None), seq("fast")
+    for s in (slow, base, other):
+        scheduler.add(s)
+    for _ in range(50):
+        out = scheduler.schedule()
+        complete(scheduler, out)
+        if other.status is SequenceStatus.RUNNING or other.is_finished:
+            break
+        threading.Event().wait(0.01)
+    assert base.status is not SequenceStatus.WAITING
+    assert other.status is not SequenceStatus.WAITING
+    assert slow.status is SequenceStatus.WAITING and "slow" not in source.fetched
+    gate.set()
+    drain(scheduler)
+    assert slow.finish_reason is FinishReason.LENGTH
+
+
+def test_more_adapters_than_slots_wait_for_a_free_slot() -> None:
+    scheduler, _, _ = make_scheduler(num_slots=2)
+    seqs = [seq(f"a{i}", max_new=3) for i in range(5)]
+    for s in seqs:
+        scheduler.add(s)
+    peak = 0
+    for _ in range(500):
+        if not scheduler.has_work():
+            break
+        out = settle(scheduler)
+        slots = {s.seq.lora_slot for s in out.scheduled}
+        assert len(slots) <= 2 and -1 not in slots
+        peak = max(peak, len(slots))
+        complete(scheduler, out)
+    assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)
+    assert peak == 2
+    assert scheduler.slots.metrics().referenced == 0
+    assert scheduler.slots.metrics().evictions >= 3
+
+
+def test_preemption_frees_the_youngest_and_recomputes_it() -> None:
+    # 4 pages of 4 tokens: two 6-token prompts fit, their decodes soon do not.
+    scheduler, _, _ = make_scheduler(num_pages=4, page_size=4)
+    old, young = seq(None, prompt_len=6, max_new=8), seq(None, prompt_len=6, max_new=8)
+    scheduler.add(old)
+    complete(scheduler, scheduler.schedule())
+    scheduler.add(young)
+    preempted_seen = False
+    for _ in range(100):
+        if not scheduler.has_work():
+            break
+        out = scheduler.schedule()
+        if young.status is SequenceStatus.WAITING and young.preemptions:
+            preempted_seen = True
+            assert young.pages == [] and young.num_computed == 0
+            assert young.output_token_ids  # kept for the recompute
+        complete(scheduler, out)
+    assert preempted_seen and old.preemptions == 0
+    assert old.finish_reason is young.finish_reason is FinishReason.LENGTH
+    assert scheduler.pages.num_free == 4
+
+
+def test_failed_download_fails_its_waiters_only() -> None:
+    scheduler, _, _ = make_scheduler()
+    lost = [seq("missing-1"), seq("missing-1")]
+    fine = seq("present")
+    for s in [*lost, fine]:
+        scheduler.add(s)
+    failures = []
+    for _ in range(100):
+        out = scheduler.schedule()
+        failures += out.failed
+        complete(scheduler, out)
+        if fine.is_finished and len(failures) == 2:
+            break
+        threading.Event().wait(0.01)
+    assert {s.request_id for s, _ in failures} == {s.request_id for s in lost}
+    assert all(isinstance(e, NotFound) for _, e in failures)
+    assert fine.finish_reason is FinishReason.LENGTH
+
+
+def test_finish_and_abort_free_pages_and_slot_references() -> None:
+    scheduler, _, _ = make_scheduler()
+    running, waiting = seq("x", max_new=50), seq("x", prompt_len=200)
+    scheduler.add(running)
+    settle(scheduler)
+    scheduler.add(waiting)
+    assert scheduler.slots.refs(binding("x").key) == 1 and running.pages
+    scheduler.finish(running, FinishReason.CANCELLED)
+    scheduler.finish(waiting, FinishReason.CANCELLED)
+    assert scheduler.pages.num_free == 64 and scheduler.slots.refs(binding("x").key) == 0
+    assert not scheduler.has_work()
+
+
+def test_admission_control() -> None:
+    scheduler, _, _ = make_scheduler(num_pages=8, page_size=4)
+    with pytest.raises(ResourceExhausted, match="max model length"):
+        scheduler.add(seq(None, prompt_len=250, max_new=10))
+    with pytest.raises(ResourceExhausted, match="KV cache"):
+        scheduler.add(seq(None, prompt_len=30, max_new=10))
+    for _ in range(scheduler.config.max_waiting):
+        scheduler.add(seq(None))
+    with pytest.raises(ResourceExhausted, match="queue is full"):
+        scheduler.add(seq(None))

@@ -1,0 +1,101 @@
+"""LoRA batch metadata (slots per token / sequence, decode segments) and pool attachment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapter_store.format import model_lora_shapes
+from inference_svc.engine.batch import SequenceStep, build_batch
+from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
+from inference_svc.lora.pool import LoraPool, LoraPoolConfig
+from inference_svc.model.config import parse_config
+from inference_svc.model.loader import build_model
+from tests.fixtures.tiny_models import tiny_config
+
+RANKS = torch.tensor([4, 0, 8], dtype=torch.int32)
+
+
+def _step(query_len: int, slot: int) -> SequenceStep:
+    return SequenceStep(0 if query_len > 1 else 3, query_len, (0, 1), lora_slot=slot)
+
+
+def _live(segs) -> list[tuple[int, int, int]]:
+    """(first token, end token, slot) of each live segment."""
+    n = segs.num_live_segments
+    bounds, slots = segs.seg_indptr[: n + 1].tolist(), segs.seg_slot[:n].tolist()
+    return [(bounds[i], bounds[i + 1], slots[i]) for i in range(n)]
+
+
+def test_no_adapter_means_no_lora_metadata():
+    batch = build_batch([_step(1, -1), _step(5, -1)], 4, "cpu", RANKS)
+    assert batch.lora is None
+
+
+def test_adapter_without_pool_is_an_error():
+    with pytest.raises(ValueError, match="no LoRA pool"):
+        build_batch([_step(3, 0)], 4, "cpu")
+
+
+def test_slot_outside_the_pool_is_an_error():
+    with pytest.raises(ValueError, match="token slots"):
+        build_batch([_step(3, 3)], 4, "cpu", RANKS)
+
+
+def test_mixed_step_gets_separate_decode_segments():
+    # Decode of slot 2, then prefills of slot 2 (adjacent: one run across the boundary),
+    # base, slot 0.
+    seqs = [_step(1, 2), _step(1, -1), _step(3, 2), _step(2, -1), _step(4, 0)]
+    lora = build_batch(seqs, 4, "cpu", RANKS).lora
+    assert lora.token_slots == (2, -1, 2, 2, 2, -1, -1, 0, 0, 0, 0)
+    assert lora.seq_slots == (2, -1, 2, -1, 0)
+    assert _live(lora.tokens) == [(0, 1, 2), (1, 2, -1), (2, 5, 2), (5, 7, -1), (7, 11, 0)]
+    assert lora.tokens.slot_rank.tolist() == RANKS.tolist()
+    assert lora.decode_tokens.num_tokens == 2
+    assert _live(lora.decode_tokens) == [(0, 1, 2), (1, 2, -1)]
+
+
+def test_decode_only_step_shares_its_segments():
+    lora = build_batch([_step(1, 0), _step(1, 0), _step(1, 2)], 4, "cpu", RANKS).lora
+    assert lora.decode_tokens is lora.tokens
+    assert _live(lora.tokens) == [(0, 2, 0), (2, 3, 2)]
+
+
+def test_decodes_on_the_base_model_get_no_decode_segments():
+    lora = build_batch([_step(1, -1), _step(6, 2)], 4, "cpu", RANKS).lora
+    assert lora.decode_tokens is None
+    assert _live(lora.tokens) == [(0, 1, -1), (1, 7, 2)]
+
+
+def _model(spec: str):
+    return build_model(parse_config(tiny_config(spec).to_dict()), "cpu", torch.float32)
+
+
+def _pool(spec: str, dtype=torch.float32) -> LoraPool:
+    shapes = model_lora_shapes(tiny_config(spec).to_dict())
+    return LoraPool(shapes, 2, LoraPoolConfig(4, dtype=dtype, device="cpu", max_loras=2))
+
+
+def test_attach_gives_every_module_its_layer_buffers():
+    model = _model("v3_q_lora")
+    pool = _pool("v3_q_lora")
+    ModelRunner(model, RunnerConfig(num_pages=4), pool)
+    layer0, layer2 = model.layers[0], model.layers[2]
+    assert layer0.attn.qkv_a.lora.a.data_ptr() == pool.lora_a(0, "attn.qkv_a").data_ptr()
+    assert layer0.mlp.gate_up.lora.b.shape == (2, 2 * 96, 4)  # dense MLP
+    assert layer2.mlp.down.lora.a.shape == (2, 4, 32)  # shared experts
+    assert layer2.moe.lora_gate_up.a.data_ptr() == pool.lora_a(2, "moe.gate_up").data_ptr()
+    assert layer2.attn.kv_b.lora.b.data_ptr() == pool.lora_b(2, "attn.kv_b").data_ptr()
+
+
+@pytest.mark.parametrize(
+    "pool_spec,dtype,message",
+    [
+        ("v3_no_q_lora", torch.float32, "does not fit the model"),
+        ("v3_wide", torch.float32, "does not fit"),
+        ("v3_q_lora", torch.float16, "float16"),
+    ],
+)
+def test_attach_refuses_a_pool_of_another_model(pool_spec, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        ModelRunner(_model("v3_q_lora"), RunnerConfig(num_pages=4), _pool(pool_spec, dtype))
