@@ -56,6 +56,7 @@ def _commands() -> list[tuple[str, argparse.ArgumentParser]]:
         ("python -m adapter_store gc", _subcommand(store, "gc")),
         ("python -m inference_svc serve", _subcommand(inference, "serve")),
         ("loractl (before the subcommand)", loractl),
+        ("loractl generate", _subcommand(loractl, "generate")),
     ]
 
 

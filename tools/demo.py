@@ -122,6 +122,12 @@ def _loractl() -> str:
     return f"{shlex.quote(sys.executable)} -m adapter_store.cli"
 
 
+def _bash_quoted(text: str) -> str:
+    """`text` as a bash $'…' word, so a newline stays on one printed line."""
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+    return f"$'{escaped}'"
+
+
 def how_to_use(stack: demo_stack.DemoStack, adapter: str) -> str:
     store, inference = stack.store.address, stack.inference.address
     loractl = f"{_loractl()} --store {store}"
@@ -139,6 +145,8 @@ def how_to_use(stack: demo_stack.DemoStack, adapter: str) -> str:
             "Call it with loractl:",
             f"  {loractl} list",
             f"  {loractl} get {adapter}",
+            f"  {loractl} generate --inference {inference} --adapter {adapter} "
+            f"{_bash_quoted(PROMPTS[0])}",
             f"  {loractl} upload PEFT_FOLDER --name my-adapter --base-model "
             f"{demo_stack.BASE_MODEL}",
             "and with grpcurl (the services serve reflection):",

@@ -82,6 +82,25 @@ def test_demo_end_to_end(state_dir: Path) -> None:
     for adapter in adapters.values():
         assert (adapter.version, adapter.rank) == (1, 8)
         assert {"attn.qkv_a", "attn.kv_b", "moe.gate_up", "moe.down"} <= set(adapter.target_modules)
+    # The loractl commands it prints work as printed.
+    printed = [line.strip() for line in out.splitlines() if f"--store {store} " in line]
+    assert [line.split(f"--store {store} ")[1].split()[0] for line in printed] == [
+        "list",
+        "get",
+        "generate",
+        "upload",
+    ]
+    for line in printed[:3]:
+        ran = subprocess.run(
+            ["bash", "-c", line],
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.strip()
     # The stack left running serves them, each with greedy output of its own.
     with grpc.insecure_channel(inference) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
