@@ -128,6 +128,12 @@ def _bash_quoted(text: str) -> str:
     return f"$'{escaped}'"
 
 
+def _down_command(state_dir: Path) -> str:
+    if state_dir == DEFAULT_STATE_DIR:
+        return "make down"
+    return f"{shlex.quote(sys.executable)} -m tools.demo --down --state-dir {shown(state_dir)}"
+
+
 def how_to_use(stack: demo_stack.DemoStack, adapter: str) -> str:
     store, inference = stack.store.address, stack.inference.address
     loractl = f"{_loractl()} --store {store}"
@@ -153,7 +159,7 @@ def how_to_use(stack: demo_stack.DemoStack, adapter: str) -> str:
             f"  grpcurl -plaintext {inference} list",
             f"  grpcurl -plaintext -d '{request}' {inference} loraserve.v1.Inference/Generate",
             "",
-            "Stop it: make down",
+            f"Stop it: {_down_command(stack.state_dir)}",
         ]
     )
 
@@ -165,7 +171,7 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"make demo: {message}", file=sys.stderr)
         return 1
     say("== loraserve demo: the whole stack on this machine (CPU) ==")
-    stack, _ = demo_stack.up(args.state_dir, TINY_MODEL_NAME, say)
+    stack = demo_stack.up(args.state_dir, TINY_MODEL_NAME, say)
     adapters = asyncio.run(publish_model_and_adapters(stack.store.address))
     say("adapters in the store:")
     for adapter in adapters:
@@ -210,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, TimeoutError, grpc.RpcError, OSError) as error:
         message = error.details() if isinstance(error, grpc.RpcError) else error
         print(f"make demo failed: {message}", file=sys.stderr)
-        print(f"logs: {shown(args.state_dir)}/logs/; clean up with `make down`", file=sys.stderr)
+        print(f"logs: {shown(args.state_dir)}/logs/", file=sys.stderr)
+        print(f"clean up with: {_down_command(args.state_dir)}", file=sys.stderr)
         return 1
 
 

@@ -130,17 +130,17 @@ def _start_recorded(stack: DemoStack, server: Server) -> None:
     server.wait_ready()
 
 
-def up(state_dir: Path, model: str, say: Say) -> tuple[DemoStack, bool]:
-    """The running stack: the recorded one when all of it is up (reused: True), else a
-    fresh one after stopping whatever is left of the old."""
+def up(state_dir: Path, model: str, say: Say) -> DemoStack:
+    """The running stack: the recorded one when all of it is up, else a fresh one after
+    stopping whatever is left of the old."""
     previous = load(state_dir)
     if previous is not None and previous.is_up():
         say("reusing the stack that is already running")
-        return previous, True
+        return previous
     if previous is not None or state_dir.exists():
         say("an earlier stack is not fully up: stopping what is left and starting afresh")
         down(state_dir, say)
-    return start(state_dir, model, say), False
+    return start(state_dir, model, say)
 
 
 def down(state_dir: Path, say: Say) -> bool:

@@ -72,7 +72,7 @@ def test_demo_end_to_end(state_dir: Path) -> None:
     assert "prompt 'def read_config(path):\\n'" in out
     assert f"--store {store} list" in out
     assert f"{inference} loraserve.v1.Inference/Generate" in out
-    assert "make down" in out
+    assert "Stop it: " in out and "--down --state-dir" in out
     for name in ADAPTERS:
         assert re.search(rf"{name} +\[#{{30}}\] 100\.0%", first.stderr), first.stderr
 
