@@ -7,7 +7,7 @@ GPU_PY ?= python3
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup protos fmt lint test gpu-test bench demo clean
+.PHONY: setup protos fmt lint test gpu-test bench demo down clean
 
 # Idempotent: rebuilds the venv only when the project's requirements change.
 setup: $(STAMP)
@@ -43,8 +43,14 @@ gpu-test:
 bench:
 	bash bench/run_all.sh
 
-demo:
-	@echo "make demo: not yet - the embedded trained model and demo script land with issue 8"
+# The whole stack on this machine (CPU), left running; `make down` stops it. DEMO_ARGS
+# passes options, e.g. DEMO_ARGS="--prompts 1 --max-new-tokens 16".
+DEMO_ARGS ?=
+demo: setup
+	$(PY) -m tools.demo $(DEMO_ARGS)
+
+down: setup
+	$(PY) -m tools.demo --down
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -146,18 +146,18 @@ def _print(args: argparse.Namespace, messages: Sequence[Any], columns: Sequence[
         print(_table(messages, columns))
 
 
-class _ProgressBar:
-    """A one-line upload progress bar on stderr."""
+class ProgressBar:
+    """A one-line upload progress bar on stderr (`make demo` shows one per adapter)."""
 
-    def __init__(self, width: int = 30) -> None:
+    def __init__(self, label: str = "upload", width: int = 30) -> None:
+        self.label = label
         self.width = width
 
     def __call__(self, sent: int, total: int) -> None:
         done = sent / total if total else 1.0
         bar = "#" * int(done * self.width)
-        sys.stderr.write(
-            f"\rupload [{bar:<{self.width}}] {done:6.1%} {sent / 1e6:.1f}/{total / 1e6:.1f} MB"
-        )
+        size = f"{sent / 1e6:.1f}/{total / 1e6:.1f} MB"
+        sys.stderr.write(f"\r{self.label} [{bar:<{self.width}}] {done:6.1%} {size}")
         if sent >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -185,7 +185,7 @@ async def _run(args: argparse.Namespace) -> None:
                 description=args.description,
                 labels=_labels(args.label),
                 dtype=args.dtype,
-                progress=None if args.json else _ProgressBar(),
+                progress=None if args.json else ProgressBar(),
             )
             _print(args, [adapter], ADAPTER_COLUMNS + ("sha256",))
         elif args.command == "list":
