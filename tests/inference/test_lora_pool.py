@@ -10,7 +10,13 @@ import torch
 from adapter_store.errors import FailedPrecondition
 from adapter_store.format import CanonicalAdapter, model_lora_shapes, tensor_name
 from inference_svc.lora import pool as pool_module
-from inference_svc.lora.pool import LoraPool, LoraPoolConfig, plan_num_slots, slot_bytes
+from inference_svc.lora.pool import (
+    LoraPool,
+    LoraPoolConfig,
+    plan_num_slots,
+    slot_bytes,
+    staging_elements,
+)
 from tests.fixtures.random_adapters import random_adapter
 from tests.fixtures.tiny_models import tiny_config
 
@@ -159,7 +165,10 @@ def test_slot_bytes_matches_config_arithmetic() -> None:
 def test_sizing_from_memory_budget(caplog, monkeypatch) -> None:
     shapes = model_lora_shapes(_config())
     per_slot = 2 * _tiny_slot_elements(MAX_RANK)
-    budget_gb = 3.5 * per_slot / (1 << 30)
+    # The budget pays for the two staging halves first (here: one slot's bytes in all).
+    staging = 2 * 2 * staging_elements(shapes, MAX_RANK, torch.bfloat16, 1 << 30)
+    assert staging == per_slot
+    budget_gb = (3.5 * per_slot + staging) / (1 << 30)
     config = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", lora_memory_gb=budget_gb)
     with caplog.at_level(logging.INFO, logger=pool_module.__name__):
         assert plan_num_slots(config, shapes) == 3
@@ -167,10 +176,10 @@ def test_sizing_from_memory_budget(caplog, monkeypatch) -> None:
     capped = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", max_loras=2, lora_memory_gb=budget_gb)
     assert plan_num_slots(capped, shapes) == 2
 
-    monkeypatch.setattr(pool_module, "free_memory_bytes", lambda device: 10 * per_slot)
+    monkeypatch.setattr(pool_module, "free_memory_bytes", lambda device: 12 * per_slot)
     half = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", lora_memory_fraction=0.5)
     assert plan_num_slots(half, shapes) == 5
-    tiny_budget = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", lora_memory_fraction=0.05)
+    tiny_budget = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", lora_memory_fraction=0.1)
     with pytest.raises(ValueError, match="holds no slot of rank 16"):
         plan_num_slots(tiny_budget, shapes)
 
