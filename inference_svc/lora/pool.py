@@ -241,8 +241,10 @@ class LoraPool:
         # Host mirror of slot_rank, for building batch metadata without a device read.
         self.slot_rank_host = [0] * num_slots
         self.packing = SlotPacking.for_shapes(shapes, self.dtype)
-        half = staging_elements(shapes, self.max_rank, self.dtype, config.staging_bytes)
-        self._staging = self._zeros((2, half)).unbind(0)  # 2 × [half]
+        self.staging_half = staging_elements(
+            shapes, self.max_rank, self.dtype, config.staging_bytes
+        )
+        self._staging = self._zeros((2, self.staging_half)).unbind(0)  # 2 × [staging_half]
         self._next_half = 0
         on_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if on_cuda else None
@@ -330,8 +332,7 @@ class LoraPool:
             else:
                 a_all[:, slot].zero_()
                 b_all[:, slot].zero_()
-        capacity = self._staging[0].numel()
-        for chunk in staging_chunks(adapter.runs, capacity):
+        for chunk in staging_chunks(adapter.runs, self.staging_half):
             start, end = chunk[0].offset, chunk[-1].end
             half, staged = self._stage(adapter.flat[start:end])
             for run in chunk:
