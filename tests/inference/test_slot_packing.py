@@ -100,6 +100,16 @@ def test_pack_refuses_a_module_the_pool_lacks() -> None:
         )
 
 
+def test_packed_adapters_that_do_not_fit_are_refused_before_any_copy() -> None:
+    pool = _pool()
+    wide = random_adapter(tiny_config("v3_wide").to_dict(), 4, modules=["attn.o"], seed=9)
+    with pytest.raises(FailedPrecondition, match=r"layers.0.attn.o: adapter lora_A .* not fit"):
+        pool.load(0, pool.packing.pack(wide))
+    with pytest.raises(FailedPrecondition, match="rank 32 exceeds"):
+        pool.load(0, pool.packing.pack(random_adapter(CONFIG, 32)))
+    assert_slot_empty(pool, 0)
+
+
 def _runs(seed: int) -> tuple[PackRun, ...]:
     rng = random.Random(seed)
     runs, end = [], 0
