@@ -132,13 +132,24 @@ class SlotPacking:
         """Copy `adapter` into one new buffer of this packing's dtype (pinned if `pin`)."""
         runs, offsets, numel = self.plan(adapter)
         flat = torch.empty(numel, dtype=self.dtype, pin_memory=pin)  # [numel]
-        tensors = {}
-        for name, tensor in adapter.tensors.items():
-            view = flat[offsets[name] : offsets[name] + tensor.numel()].view(tensor.shape)
-            view.copy_(tensor)
-            tensors[name] = view
+        for run in runs:
+            # One cat per run, not one copy per tensor: 20 CPU ops instead of 428 on V2-Lite.
+            torch.cat(
+                [adapter.tensors[name].reshape(-1) for name in self.run_names(run)],
+                out=flat[run.offset : run.end],
+            )
+        tensors = {
+            name: flat[offsets[name] : offsets[name] + tensor.numel()].view(tensor.shape)
+            for name, tensor in adapter.tensors.items()
+        }
         manifest = replace(adapter.manifest, dtype=str(self.dtype).removeprefix("torch."))
         return PackedAdapter(manifest, tensors, flat, runs, self)
+
+    def run_names(self, run: PackRun) -> list[str]:
+        """Canonical tensor names of a run's layers, in buffer order."""
+        shape = self.groups[run.group]
+        layers = shape.layers[run.first : run.first + run.count]
+        return [tensor_name(layer, shape.module, run.part) for layer in layers]
 
 
 @dataclass
