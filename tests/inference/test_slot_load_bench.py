@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.lora_slot_load import SCENARIOS, main
 
 
@@ -19,3 +21,12 @@ def test_slot_load_bench_runs_on_cpu(tmp_path: Path) -> None:
     ]
     assert all(r["equal_to_old"] for r in rows if r["path"] == "new")
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_s3_host_load_bench_runs_against_seaweedfs(s3_server) -> None:
+    pytest.importorskip("boto3")  # absent on the GPU machine
+    from bench.s3_host_load import measure
+
+    rows = measure(s3_server.endpoint_url, layers=2, repeats=1)
+    assert [row["scenario"] for row in rows] == list(SCENARIOS)
+    assert all(row["fetch_s_p50"] > 0 and row["insert_s_p50"] > 0 for row in rows)
