@@ -3,6 +3,10 @@
 The middle tier of S3 → host → GPU slot. Tensors are converted to the slot pool's dtype on
 insert (a dtype-converting host→device copy is converted on the CPU first and is no longer
 asynchronous) and pinned when CUDA is available (only pinned memory copies asynchronously).
+Built with the pool's `SlotPacking` (`pool.packing`), the cache packs each adapter once, at
+insert, into one contiguous buffer in the pool's order: loads then take the pool's fast
+path (a few large copies instead of one per layer × module × slice; see
+`inference_svc.lora.packing`), and one pinned allocation replaces hundreds.
 
 An entry being copied to the GPU is *in use* (`acquire` … `release`) and is never evicted
 or dropped, so a side-stream copy never reads freed or reused memory. Thread-safe: S3
@@ -20,6 +24,7 @@ import torch
 
 from adapter_store.errors import ResourceExhausted
 from adapter_store.format import CanonicalAdapter
+from inference_svc.lora.packing import PackedAdapter, SlotPacking
 
 HostKey = Hashable  # (tenant, name, version)
 
@@ -70,8 +75,13 @@ class _Entry:
 class HostAdapterCache:
     """LRU by bytes; entries in use are never evicted."""
 
-    def __init__(self, config: HostCacheConfig) -> None:
+    def __init__(self, config: HostCacheConfig, packing: SlotPacking | None = None) -> None:
+        if packing is not None and config.dtype not in (None, packing.dtype):
+            raise ValueError(
+                f"host cache dtype {config.dtype} differs from the pool packing's {packing.dtype}"
+            )
         self.config = config
+        self.packing = packing
         self._entries: OrderedDict[HostKey, _Entry] = OrderedDict()  # LRU first
         self._bytes = 0
         self._lock = threading.Lock()
@@ -94,9 +104,10 @@ class HostAdapterCache:
             return entry.adapter
 
     def insert(self, key: HostKey, adapter: CanonicalAdapter) -> CanonicalAdapter:
-        """Store a freshly fetched adapter (converted and pinned) and return the stored one,
-        marked in use until `release(key)`. Evicts least recently used entries that are not
-        in use; raises ResourceExhausted when that cannot make room."""
+        """Store a freshly fetched adapter (converted, packed when the cache has a packing,
+        pinned) and return the stored one, marked in use until `release(key)`. Evicts least
+        recently used entries that are not in use; raises ResourceExhausted when that cannot
+        make room."""
         stored = self._to_host(adapter)
         size = adapter_bytes(stored)
         with self._lock:
@@ -180,6 +191,8 @@ class HostAdapterCache:
         self._bytes -= self._entries.pop(key).size_bytes
 
     def _to_host(self, adapter: CanonicalAdapter) -> CanonicalAdapter:
+        if self.packing is not None:
+            return self.packing.pack(adapter, pin=self.config.pins)
         dtype, pin = self.config.dtype, self.config.pins
         tensors = {}
         for name, tensor in adapter.tensors.items():
@@ -194,5 +207,7 @@ class HostAdapterCache:
 
 
 def adapter_bytes(adapter: CanonicalAdapter) -> int:
-    """Bytes of an adapter's tensors."""
+    """Host bytes an adapter holds: its packed buffer, or the sum of its tensors."""
+    if isinstance(adapter, PackedAdapter):
+        return adapter.flat.numel() * adapter.flat.element_size()
     return sum(tensor.numel() * tensor.element_size() for tensor in adapter.tensors.values())

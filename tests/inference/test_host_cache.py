@@ -14,8 +14,10 @@ from inference_svc.adapters.host_cache import (
     adapter_bytes,
 )
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher, S3FetchConfig, adapter_prefix
+from inference_svc.lora.packing import PackedAdapter
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from tests.fixtures.random_adapters import random_adapter
+from tests.fixtures.slot_checks import assert_slot_empty, assert_slot_holds
 from tests.fixtures.tiny_models import tiny_config
 
 boto3 = pytest.importorskip("boto3")  # absent on the GPU machine
@@ -131,8 +133,10 @@ def test_config_validation() -> None:
             HostCacheConfig(capacity_bytes=1, pin_memory=True)
 
 
-def test_s3_to_host_to_slot(s3_server, s3_bucket) -> None:
-    """The three tiers chained: fetch from S3, cache on the host, copy into a slot."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_s3_to_host_to_slot(s3_server, s3_bucket, packed: bool) -> None:
+    """The three tiers chained: fetch from S3, cache on the host (packed for the pool or
+    not), copy into a slot."""
     s3 = boto3.client("s3", endpoint_url=s3_server.endpoint_url)
     s3.create_bucket(Bucket=s3_bucket)
     adapter = random_adapter(CONFIG, 8, moe_layout="shared_outer", seed=5)
@@ -142,21 +146,22 @@ def test_s3_to_host_to_slot(s3_server, s3_bucket) -> None:
     s3.put_object(Bucket=s3_bucket, Key=prefix + "manifest.json", Body=manifest_json)
 
     fetcher = S3AdapterFetcher(S3FetchConfig(bucket=s3_bucket, endpoint_url=s3_server.endpoint_url))
-    cache = HostAdapterCache(HostCacheConfig(capacity_bytes=1 << 24, dtype=torch.float16))
     pool_config = LoraPoolConfig(16, torch.float16, "cpu", max_loras=2)
     pool = LoraPool.from_config(model_lora_shapes(CONFIG), pool_config)
+    cache = HostAdapterCache(
+        HostCacheConfig(capacity_bytes=1 << 24, dtype=torch.float16),
+        pool.packing if packed else None,
+    )
     key = ("t", "chain", 1)
 
     assert cache.acquire(key) is None
     host = cache.insert(key, fetcher.fetch(*key, expected_sha256=adapter.manifest.sha256).adapter)
+    assert isinstance(host, PackedAdapter) == packed
     load = pool.load(1, host)
     assert load.done()
     cache.release(key)
-    for layer, module in pool.module_instances():
-        want_b = adapter.tensors[f"layers.{layer}.{module}.lora_B"].to(torch.float16)
-        got_b = pool.lora_b(layer, module)[1]
-        assert torch.equal(got_b[..., :8], want_b.expand_as(got_b[..., :8]))
-        assert not got_b[..., 8:].any()
+    assert_slot_holds(pool, 1, adapter)
+    assert_slot_empty(pool, 0)
     fetcher.close()
 
 

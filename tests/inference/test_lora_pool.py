@@ -8,10 +8,17 @@ import pytest
 import torch
 
 from adapter_store.errors import FailedPrecondition
-from adapter_store.format import CanonicalAdapter, model_lora_shapes, tensor_name
+from adapter_store.format import model_lora_shapes
 from inference_svc.lora import pool as pool_module
-from inference_svc.lora.pool import LoraPool, LoraPoolConfig, plan_num_slots, slot_bytes
+from inference_svc.lora.pool import (
+    LoraPool,
+    LoraPoolConfig,
+    plan_num_slots,
+    slot_bytes,
+    staging_elements,
+)
 from tests.fixtures.random_adapters import random_adapter
+from tests.fixtures.slot_checks import assert_slot_empty, assert_slot_holds
 from tests.fixtures.tiny_models import tiny_config
 
 MAX_RANK = 16
@@ -26,39 +33,6 @@ def _pool(name: str = "v3_q_lora", slots: int = 3, dtype=torch.float32) -> LoraP
     return LoraPool.from_config(model_lora_shapes(_config(name)), config)
 
 
-def _assert_slot_holds(pool: LoraPool, slot: int, adapter: CanonicalAdapter) -> None:
-    """Every buffer of `slot` equals the adapter's tensors zero-padded to the pool's rank
-    (slice by slice, shared-outer parts repeated per expert); untargeted modules are zero."""
-    r, big_r = adapter.manifest.rank, pool.max_rank
-    targeted = set(adapter.manifest.modules)
-    for layer, module in pool.module_instances():
-        got_a = pool.lora_a(layer, module)[slot]
-        got_b = pool.lora_b(layer, module)[slot]
-        if (layer, module) not in targeted:
-            assert not got_a.any() and not got_b.any(), (layer, module)
-            continue
-        lora_a = adapter.tensors[tensor_name(layer, module, "lora_A")].to(pool.dtype)
-        lora_b = adapter.tensors[tensor_name(layer, module, "lora_B")].to(pool.dtype)
-        if module.startswith("moe."):
-            experts = got_a.shape[0]
-            lora_a = lora_a.expand(experts, *lora_a.shape[1:])
-            lora_b = lora_b.expand(experts, *lora_b.shape[1:])
-        stack = got_a.shape[-2] // big_r
-        want_a = torch.zeros_like(got_a).unflatten(-2, (stack, big_r))  # [.., stack, R, in]
-        want_a[..., :r, :] = lora_a.unflatten(-2, (stack, r))
-        want_b = torch.zeros_like(got_b)
-        want_b[..., :r] = lora_b
-        assert torch.equal(got_a, want_a.flatten(-3, -2)), (layer, module, "A")
-        assert torch.equal(got_b, want_b), (layer, module, "B")
-
-
-def _assert_slot_empty(pool: LoraPool, slot: int) -> None:
-    for layer, module in pool.module_instances():
-        assert not pool.lora_a(layer, module)[slot].any()
-        assert not pool.lora_b(layer, module)[slot].any()
-    assert pool.slot_rank[slot] == 0 and pool.slot_rank_host[slot] == 0
-
-
 def test_buffer_shapes_and_zero_init() -> None:
     pool = _pool()
     assert pool.lora_a(0, "attn.qkv_a").shape == (3, 2 * MAX_RANK, 64)
@@ -71,7 +45,7 @@ def test_buffer_shapes_and_zero_init() -> None:
     assert pool.lora_a(1, "attn.kv_b").is_contiguous()
     assert pool.slot_rank.dtype == torch.int32 and pool.slot_rank.shape == (3,)
     for slot in range(3):
-        _assert_slot_empty(pool, slot)
+        assert_slot_empty(pool, slot)
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
@@ -81,10 +55,10 @@ def test_adapter_below_pool_rank_is_zero_padded(layout: str, rank: int) -> None:
     adapter = random_adapter(_config(), rank, moe_layout=layout, seed=1)
     load = pool.load(1, adapter)
     assert load.event is None and load.done()
-    _assert_slot_holds(pool, 1, adapter)
+    assert_slot_holds(pool, 1, adapter)
     assert pool.slot_rank.tolist() == [0, rank, 0] and pool.slot_rank_host == [0, rank, 0]
-    _assert_slot_empty(pool, 0)
-    _assert_slot_empty(pool, 2)
+    assert_slot_empty(pool, 0)
+    assert_slot_empty(pool, 2)
 
 
 def test_reload_zeroes_what_the_new_adapter_does_not_fill() -> None:
@@ -92,7 +66,7 @@ def test_reload_zeroes_what_the_new_adapter_does_not_fill() -> None:
     pool.load(0, random_adapter(_config(), MAX_RANK, seed=2))
     small = random_adapter(_config(), 4, modules=["attn.q_b", "moe.down"], seed=3)
     pool.load(0, small)
-    _assert_slot_holds(pool, 0, small)
+    assert_slot_holds(pool, 0, small)
     assert pool.slot_rank_host[0] == 4
 
 
@@ -102,15 +76,15 @@ def test_unload_zeroes_the_slot_only() -> None:
     pool.load(0, first)
     pool.load(2, second)
     assert pool.unload(0).done()
-    _assert_slot_empty(pool, 0)
-    _assert_slot_holds(pool, 2, second)
+    assert_slot_empty(pool, 0)
+    assert_slot_holds(pool, 2, second)
 
 
 def test_pool_dtype_conversion_on_load() -> None:
     pool = _pool(dtype=torch.bfloat16)
     adapter = random_adapter(_config(), 8, seed=6)
     pool.load(2, adapter)
-    _assert_slot_holds(pool, 2, adapter)  # compares against the tensors cast to bf16
+    assert_slot_holds(pool, 2, adapter)  # compares against the tensors cast to bf16
 
 
 def test_model_without_q_lora_rank() -> None:
@@ -122,7 +96,7 @@ def test_model_without_q_lora_rank() -> None:
     assert pool.lora_b(0, "attn.q").shape == (3, 4 * (16 + 8), MAX_RANK)
     adapter = random_adapter(_config("v3_no_q_lora"), 5, seed=7)
     pool.load(1, adapter)
-    _assert_slot_holds(pool, 1, adapter)
+    assert_slot_holds(pool, 1, adapter)
 
 
 def test_incompatible_adapters_are_refused_before_any_copy() -> None:
@@ -133,7 +107,7 @@ def test_incompatible_adapters_are_refused_before_any_copy() -> None:
         pool.load(0, random_adapter(_config("v3_no_q_lora"), 4, modules=["attn.q"]))
     with pytest.raises(FailedPrecondition, match="do not fit the base model"):
         pool.load(0, random_adapter(_config("v3_wide"), 4, modules=["attn.o"]))
-    _assert_slot_empty(pool, 0)
+    assert_slot_empty(pool, 0)
     with pytest.raises(IndexError):
         pool.load(3, random_adapter(_config(), 4))
 
@@ -159,7 +133,10 @@ def test_slot_bytes_matches_config_arithmetic() -> None:
 def test_sizing_from_memory_budget(caplog, monkeypatch) -> None:
     shapes = model_lora_shapes(_config())
     per_slot = 2 * _tiny_slot_elements(MAX_RANK)
-    budget_gb = 3.5 * per_slot / (1 << 30)
+    # The budget pays for the two staging halves first (here: one slot's bytes in all).
+    staging = 2 * 2 * staging_elements(shapes, MAX_RANK, torch.bfloat16, 1 << 30)
+    assert staging == per_slot
+    budget_gb = (3.5 * per_slot + staging) / (1 << 30)
     config = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", lora_memory_gb=budget_gb)
     with caplog.at_level(logging.INFO, logger=pool_module.__name__):
         assert plan_num_slots(config, shapes) == 3
@@ -167,10 +144,10 @@ def test_sizing_from_memory_budget(caplog, monkeypatch) -> None:
     capped = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", max_loras=2, lora_memory_gb=budget_gb)
     assert plan_num_slots(capped, shapes) == 2
 
-    monkeypatch.setattr(pool_module, "free_memory_bytes", lambda device: 10 * per_slot)
+    monkeypatch.setattr(pool_module, "free_memory_bytes", lambda device: 12 * per_slot)
     half = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", lora_memory_fraction=0.5)
     assert plan_num_slots(half, shapes) == 5
-    tiny_budget = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", lora_memory_fraction=0.05)
+    tiny_budget = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", lora_memory_fraction=0.1)
     with pytest.raises(ValueError, match="holds no slot of rank 16"):
         plan_num_slots(tiny_budget, shapes)
 
@@ -207,5 +184,5 @@ def test_cuda_load_on_side_stream(layout: str) -> None:
     for layer, module in pool.module_instances():
         host.lora_a(layer, module).copy_(pool.lora_a(layer, module))
         host.lora_b(layer, module).copy_(pool.lora_b(layer, module))
-    _assert_slot_holds(host, 3, adapter)
+    assert_slot_holds(host, 3, adapter)
     assert pool.slot_rank.tolist() == [0, 0, 0, 8]
