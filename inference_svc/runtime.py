@@ -119,8 +119,10 @@ def build_runtime(
     )
     if config.device == "cuda" and config.cuda_graphs:
         runner.capture_decode_graphs()
+    # Packing at insert makes a slot load a few large copies instead of one per tensor.
     host_cache = HostAdapterCache(
-        HostCacheConfig(capacity_bytes=int(config.host_cache_gb * GIB), dtype=config.torch_dtype)
+        HostCacheConfig(capacity_bytes=int(config.host_cache_gb * GIB), dtype=config.torch_dtype),
+        pool.packing,
     )
     residency = AdapterResidency(source, host_cache, pool, metrics, on_fetched)
     scheduler = Scheduler(
