@@ -197,9 +197,10 @@ def test_launchers_reject_mismatched_shapes() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize("num_tokens", [1, 64, 512])
-def test_moe_lora_bf16_gpu(popularity, num_tokens) -> None:  # type: ignore[no-untyped-def]
+def test_moe_lora_bf16_gpu(popularity, num_tokens, variant) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(7)
     hidden, moe_inter, experts, top_k, pool_rank = 7168, 2048, 32, 8, 16
     ranks = mixed_ranks(8, pool_rank, gen)
@@ -211,4 +212,5 @@ def test_moe_lora_bf16_gpu(popularity, num_tokens) -> None:  # type: ignore[no-u
     x = torch.randn(num_tokens, hidden, generator=gen).to(**bf16)
     inter = torch.randn(pt.shape[0], 2 * moe_inter, generator=gen).to(**bf16)
     expected = moe_lora_gate_up_ref(x.float(), inter.float(), A.float(), B.float(), pt, pe, segs)
-    assert_close(moe_lora_gate_up(x, inter, A, B, pt, pe, segs), expected, torch.bfloat16)
+    got = moe_lora_gate_up(x, inter, A, B, pt, pe, segs, variant=variant)
+    assert_close(got, expected, torch.bfloat16)
