@@ -15,17 +15,23 @@ Also the MoE LoRA cost on its own: one MoE layer at batch 64, 8 adapters, as
 Goals (TARGETS.md / issue 6): overhead ≤ 15% (throughput ratio ≥ 0.90 in TARGETS), MoE LoRA
 cost ≤ 0.25.
 
-    python -m bench.lora_decode_overhead --out bench/results/lora_decode_overhead.json
+`--variants` times several kernel sets side by side on one model and pool (graphs are
+recaptured per set, the no-LoRA step is timed again each time: the spread of the base
+times is the run's noise). `v1` is the kernels as first measured, `new` the defaults.
+
+    python -m bench.lora_decode_overhead --out bench/results/lora_decode_overhead.json \
+        --variants v1 new
     python -m bench.lora_decode_overhead --smoke   # CPU: the same setup at tiny sizes
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +44,12 @@ from bench.model_decode import SMOKE_OVERRIDES, V2_LITE_Q_LORA, random_model
 from inference_svc.engine.batch import BatchMetadata, SequenceStep, build_batch
 from inference_svc.engine.kv_pages import pages_for
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
+from inference_svc.lora import apply
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.model.config import parse_config
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
 from kernels.lora_segments import build_lora_segments
+from kernels.moe_lora import moe_lora_down, moe_lora_gate_up
 
 BATCHES = (1, 64, 256)
 NUM_ADAPTERS = 32
@@ -49,6 +57,28 @@ RANK = 16
 MOE_BATCH, MOE_ADAPTERS = 64, 8
 PAGE_SIZE = 16
 GOAL_OVERHEAD, GOAL_MOE_RATIO = 0.15, 0.25
+# Kernel sets: launcher name in inference_svc.lora.apply -> (launcher, variant).
+KERNEL_SETS: dict[str, dict[str, tuple[Callable[..., Any], str]]] = {
+    "v1": {
+        "moe_lora_gate_up": (moe_lora_gate_up, "runs"),
+        "moe_lora_down": (moe_lora_down, "runs"),
+    },
+    "new": {},
+}
+
+
+@contextlib.contextmanager
+def kernel_set(name: str) -> Iterator[None]:
+    """Route the model's LoRA deltas through the launcher variants of set `name`."""
+    chosen = KERNEL_SETS[name]
+    saved = {attr: getattr(apply, attr) for attr in chosen}
+    for attr, (launcher, variant) in chosen.items():
+        setattr(apply, attr, functools.partial(launcher, variant=variant))
+    try:
+        yield
+    finally:
+        for attr, launcher in saved.items():
+            setattr(apply, attr, launcher)
 
 
 def v2_lite_config(layers: int, smoke: bool = False) -> dict[str, Any]:
@@ -181,31 +211,47 @@ def plot(results: dict[str, Any], png_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = results["decode"]
-    fig, (ax_t, ax_o) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [str(r["batch"]) for r in rows]
-    xs = range(len(rows))
-    ax_t.bar([x - 0.2 for x in xs], [r["base_us"] for r in rows], 0.4, label="no LoRA")
-    ax_t.bar([x + 0.2 for x in xs], [r["lora_us"] for r in rows], 0.4, label="32 × rank 16")
-    ax_t.set(xticks=list(xs), xticklabels=labels, xlabel="decode batch", ylabel="step µs")
-    ax_t.set_title(f"decode step, V2-Lite shape, {results['layers']} layers")
-    ax_t.legend()
-    ax_o.bar(labels, [100 * r["overhead"] for r in rows], label="decode step overhead")
-    ax_o.axhline(100 * GOAL_OVERHEAD, color="red", linestyle="--", label="goal 15%")
-    moe = results["moe"]
-    ax_o.set(xlabel="decode batch", ylabel="LoRA overhead %")
-    ax_o.set_title(f"MoE LoRA cost ÷ base at B=64, 8 adapters: {moe['ratio']:.2f} (goal ≤ 0.25)")
-    ax_o.legend()
+    variants = results["variants"]
+    fig, (ax_t, ax_o) = plt.subplots(1, 2, figsize=(12, 4))
+    first = next(iter(variants.values()))["decode"]
+    labels = [str(r["batch"]) for r in first]
+    xs = range(len(labels))
+    width = 0.8 / (len(variants) + 1)
+    ax_t.bar(xs, [r["base_us"] for r in first], width, label="no LoRA")
+    for i, (name, result) in enumerate(variants.items(), start=1):
+        rows = result["decode"]
+        shifted = [x + i * width for x in xs]
+        ax_t.bar(shifted, [r["lora_us"] for r in rows], width, label=f"LoRA ({name})")
+        overheads = [100 * r["overhead"] for r in rows]
+        ax_o.bar(shifted, overheads, width, label=f"{name}, MoE {result['moe']['ratio']:.2f}")
+    for ax in (ax_t, ax_o):
+        ax.set(xticks=list(xs), xticklabels=labels, xlabel="decode batch")
+        ax.legend()
+    ax_t.set(ylabel="step µs", title=f"decode step, V2-Lite shape, {results['layers']} layers")
+    ax_o.axhline(100 * GOAL_OVERHEAD, color="red", linestyle="--")
+    ax_o.set(ylabel="LoRA overhead % (goal 15)", title="overhead; legend: MoE LoRA ÷ base (≤ 0.25)")
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     print(f"plot: {png_path}")
 
 
-def run(out: Path, layers: int, context: int) -> None:
+def run(out: Path, layers: int, context: int, variants: list[str]) -> None:
     start = time.perf_counter()
-    setup = make_setup(v2_lite_config(layers), "cuda", context, BATCHES, graphs=True)
-    print(f"setup + graph capture: {time.perf_counter() - start:.0f} s")
-    rows = measure_steps(setup, BATCHES)
+    setup = make_setup(v2_lite_config(layers), "cuda", context, BATCHES, graphs=False)
+    measured = {}
+    for name in variants:
+        with kernel_set(name):
+            # A fresh runner (same model and pool) captures its graphs with this set.
+            runner = setup.runner
+            setup.runner = ModelRunner(runner.model, runner.config, runner.lora_pool)
+            del runner
+            setup.runner.capture_decode_graphs()
+            print(f"[{name}] graphs captured at {time.perf_counter() - start:.0f} s")
+            rows = measure_steps(setup, BATCHES)
+            measured[name] = {
+                "decode": [{**asdict(r), "overhead": r.overhead} for r in rows],
+                "moe": measure_moe(setup),
+            }
     results = {
         "device": device_name(torch.device("cuda")),
         "model": "DeepSeek-V2-Lite shape, q_lora_rank 1536, random bf16 weights",
@@ -213,26 +259,35 @@ def run(out: Path, layers: int, context: int) -> None:
         "context": context,
         "rank": RANK,
         "num_adapters": NUM_ADAPTERS,
-        "decode": [{**asdict(r), "overhead": r.overhead} for r in rows],
-        "moe": measure_moe(setup),
+        "variants": measured,
         "goals": {"decode_overhead": GOAL_OVERHEAD, "moe_ratio": GOAL_MOE_RATIO},
         "seconds": time.perf_counter() - start,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
+    print("\nvariant  batch  base µs   LoRA µs  overhead   (MoE LoRA ÷ base)")
+    for name, result in measured.items():
+        for r in result["decode"]:
+            print(
+                f"{name:8s} {r['batch']:5d} {r['base_us']:8.1f} {r['lora_us']:9.1f}"
+                f" {r['overhead']:+8.1%}"
+            )
+        print(f"{name:8s} MoE B={MOE_BATCH} ×{MOE_ADAPTERS}: {result['moe']['ratio']:.3f}")
     plot(results, out.with_suffix(".png"))
 
 
 def smoke() -> None:
     """CPU: build the same setup at tiny sizes and run one eager step of each batch kind."""
     setup = make_setup(v2_lite_config(2, smoke=True), "cpu", 20, batches=(1, 8), graphs=False)
-    for size in (1, 8):
-        for adapters in (0, min(size, setup.num_slots)):
-            input_ids, batch = decode_batch(setup, size, adapters)
-            assert (batch.lora is None) == (adapters == 0)
-            logits = setup.runner.execute(input_ids, batch)
-            vocab = setup.model.config.vocab_size
-            assert logits.shape == (size, vocab) and torch.isfinite(logits).all()
+    for name in KERNEL_SETS:
+        with kernel_set(name):
+            for size in (1, 8):
+                for adapters in (0, min(size, setup.num_slots)):
+                    input_ids, batch = decode_batch(setup, size, adapters)
+                    assert (batch.lora is None) == (adapters == 0)
+                    logits = setup.runner.execute(input_ids, batch)
+                    vocab = setup.model.config.vocab_size
+                    assert logits.shape == (size, vocab) and torch.isfinite(logits).all()
     print("smoke ok")
 
 
@@ -244,11 +299,15 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU: the setup at tiny sizes")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (V2-Lite: 27)")
     parser.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
+    parser.add_argument(
+        "--variants", nargs="+", default=["new"], choices=list(KERNEL_SETS),
+        help="kernel sets to time side by side",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.smoke:
         smoke()
     elif args.out:
-        run(args.out, args.layers, args.context)
+        run(args.out, args.layers, args.context, args.variants)
     else:
         parser.error("give --out or --smoke")
 

@@ -39,6 +39,7 @@ from kernels.mla_lora import (
     mla_kv_b_lora_q_ref,
 )
 from kernels.moe_lora import (
+    MOE_VARIANTS,
     moe_lora_down,
     moe_lora_down_ref,
     moe_lora_gate_up,
@@ -263,7 +264,10 @@ def setup_moe(
         else (moe_lora_down, moe_lora_down_ref)
     )
     providers: dict[str, Provider] = {
-        "triton:v1": lambda: fused(x, out, A, B, pair_token, pair_expert, segs)
+        f"triton:{variant}": functools.partial(
+            fused, x, out, A, B, pair_token, pair_expert, segs, variant=variant
+        )
+        for variant in MOE_VARIANTS
     }
     if num_pairs * (A.shape[2] * in_dim + out_dim * rank) * 2 <= _GATHER_LIMIT_BYTES:
         pair_groups = [

@@ -12,11 +12,14 @@ A and down's B with an expert dim of 1: every expert reads index 0. The delta is
 in the activation dtype from the LoRA weights alone, independent of how the base experts
 are stored (bf16, FP8 block-scaled, INT8, 4-bit): quantization never touches LoRA.
 
-One program takes a block of BLOCK_P consecutive pairs and walks the distinct (slot,
-weight-expert) keys in it: pairs sorted by expert whose tokens the scheduler grouped by slot
-share one key over long runs, so prefill reads each expert's LoRA weights once per block
-with tl.dot, while a decode block of all-distinct keys costs one weight read per pair.
-The shrink also splits K across programs (hidden = 7168 at decode).
+Two kernel variants (`variant=`, docs/kernel_notes.md §7):
+- "pairs" (decode, up to PAIRS_MAX_PAIRS pairs): one launch; a program per (pair, slice,
+  column chunk) computes its rank-R intermediate in float32 registers (a GEMV with tl.sum,
+  no 16-row dot padding, no key walk, no intermediate buffer) and adds B·y to its columns.
+  Small batches split the columns over more programs, each recomputing the cheap shrink.
+- "runs" (v1, prefill): a program takes a block of BLOCK_P consecutive pairs and walks the
+  distinct (slot, weight-expert) keys in it with tl.dot, shrink and expand as two launches
+  through a float32 [P, S·R] buffer, split-K in the shrink.
 Shapes: P pairs, E experts, S slices, R pool rank, K input features, N output per slice.
 """
 
@@ -28,9 +31,15 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.lora_segments import LoraSegments, live_rank_columns
-from kernels.sgmv import dot_precision, plan_split_k, rank_block
+from kernels.sgmv import dot_precision, num_sms, plan_split_k, rank_block
 
 BLOCK_P = 16
+# "pairs" re-reads a key's weights once per pair (from L2 when pairs share it): right for
+# decode, where nearly every pair has its own key; "auto" uses "runs" beyond this.
+PAIRS_MAX_PAIRS = 4096
+# "pairs" programs per SM it aims for when splitting columns (None: one chunk per slice).
+MOE_VARIANTS = {"runs": None, "pairs": 2}
+DEFAULT_MOE_VARIANT = "auto"
 
 
 @triton.jit
@@ -192,6 +201,97 @@ def _moe_lora_expand_kernel(
     tl.store(out_ptrs, (prev.to(tl.float32) + acc).to(prev.dtype), mask=out_mask)
 
 
+@triton.jit
+def _moe_lora_pair_kernel(
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    pair_token_ptr,
+    pair_expert_ptr,
+    token_slot_ptr,
+    slot_rank_ptr,
+    K,
+    N,
+    R,
+    A_EXPERTS,
+    B_EXPERTS,
+    cols_per_program,
+    chunks,
+    stride_xm,
+    stride_xk,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_ak,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    stride_br,
+    stride_op,
+    stride_on,
+    NUM_SLICES: tl.constexpr,
+    X_PER_PAIR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[p, slice cols of chunk] += B[slot, eB, cols, :rank] · (A[slot, eA, slice rows] · x)
+    for one (pair, slice, column chunk); y [rank] stays in float32 registers."""
+    item = tl.program_id(0)
+    chunk = item % chunks
+    slice_idx = (item // chunks) % NUM_SLICES
+    pair = item // (chunks * NUM_SLICES)
+    tok = tl.load(pair_token_ptr + pair)
+    slot = tl.load(token_slot_ptr + tl.maximum(tok, 0))
+    slot = tl.where(tok >= 0, slot, -1)
+    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    if rank > 0:
+        expert = tl.load(pair_expert_ptr + pair)
+        x_row = x_ptr + (pair if X_PER_PAIR else tok).to(tl.int64) * stride_xm
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        a_rows = (
+            a_ptr
+            + slot.to(tl.int64) * stride_as
+            + tl.where(A_EXPERTS == 1, 0, expert).to(tl.int64) * stride_ae
+            + (slice_idx * R + offs_r) * stride_ar
+        )  # [r]
+        acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)  # [r, k] partial products
+        for k in range(0, K, BLOCK_K):
+            offs_k = k + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            x = tl.load(x_row + offs_k * stride_xk, mask=mask_k, other=0.0)  # [k]
+            a = tl.load(
+                a_rows[:, None] + offs_k[None, :] * stride_ak,
+                mask=mask_r[:, None] & mask_k[None, :],
+                other=0.0,
+            )  # [r, k]
+            acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)  # [r]
+        b_key = (
+            b_ptr
+            + slot.to(tl.int64) * stride_bs
+            + tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64) * stride_be
+        )
+        out_row = out_ptr + pair.to(tl.int64) * stride_op
+        col_end = tl.minimum((chunk + 1) * cols_per_program, N)
+        for n in range(chunk * cols_per_program, col_end, BLOCK_N):
+            offs_n = n + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < col_end
+            cols = slice_idx * N + offs_n  # [n] columns of out, rows of B
+            b = tl.load(
+                b_key + cols[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                mask=mask_n[:, None] & mask_r[None, :],
+                other=0.0,
+            )  # [n, r]
+            delta = tl.sum(b.to(tl.float32) * y[None, :], axis=1)  # [n]
+            out_ptrs = out_row + cols * stride_on
+            prev = tl.load(out_ptrs, mask=mask_n, other=0.0)
+            tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(prev.dtype), mask=mask_n)
+
+
 def moe_lora_gate_up(
     x: Tensor,
     inter: Tensor,
@@ -200,6 +300,8 @@ def moe_lora_gate_up(
     pair_token: Tensor,
     pair_expert: Tensor,
     segs: LoraSegments,
+    *,
+    variant: str = DEFAULT_MOE_VARIANT,
 ) -> Tensor:
     """Add the routed experts' gate_up LoRA delta to the per-pair intermediate, in place.
 
@@ -214,9 +316,11 @@ def moe_lora_gate_up(
         A: [slots, E or 1, S*R, hidden]; B: [slots, E, S*N, R]; S = 2 gated, 1 non-gated.
         pair_token / pair_expert: int32 [P]; pair_token -1 marks padding (skipped).
         segs: this batch's segments (token_slot, slot_rank); slot -1 tokens do no work.
+        variant: "auto" ("pairs" up to PAIRS_MAX_PAIRS pairs, else "runs") or a key of
+            MOE_VARIANTS (all compute the same delta).
     """
     segs.require_tokens(x.shape[0])
-    return _moe_lora(x, inter, A, B, pair_token, pair_expert, segs, x_per_pair=False)
+    return _moe_lora(x, inter, A, B, pair_token, pair_expert, segs, False, variant)
 
 
 def moe_lora_down(
@@ -227,6 +331,8 @@ def moe_lora_down(
     pair_token: Tensor,
     pair_expert: Tensor,
     segs: LoraSegments,
+    *,
+    variant: str = DEFAULT_MOE_VARIANT,
 ) -> Tensor:
     """Add the routed experts' down LoRA delta to the per-pair down output, in place.
 
@@ -240,12 +346,13 @@ def moe_lora_down(
         A: [slots, E, R, moe_inter]; B: [slots, E or 1, hidden, R].
         pair_token / pair_expert: int32 [P]; pair_token -1 marks padding (skipped).
         segs: this batch's segments (token_slot, slot_rank); slot -1 tokens do no work.
+        variant: as in `moe_lora_gate_up`.
     """
     if act.shape[0] != pair_token.shape[0]:
         raise ValueError(
             f"act {tuple(act.shape)} must have one row per pair ({pair_token.shape[0]})"
         )
-    return _moe_lora(act, down_out, A, B, pair_token, pair_expert, segs, x_per_pair=True)
+    return _moe_lora(act, down_out, A, B, pair_token, pair_expert, segs, True, variant)
 
 
 def _moe_lora(
@@ -257,11 +364,19 @@ def _moe_lora(
     pair_expert: Tensor,
     segs: LoraSegments,
     x_per_pair: bool,
+    variant: str,
 ) -> Tensor:
     num_pairs = pair_token.shape[0]
     num_slices, slice_width = _check_moe(x, out, A, B, pair_token, pair_expert)
     pool_rank = B.shape[3]
+    if variant == "auto":
+        variant = "pairs" if num_pairs <= PAIRS_MAX_PAIRS else "runs"
+    programs_per_sm = MOE_VARIANTS[variant]
     if num_pairs == 0:
+        return out
+    if programs_per_sm is not None:
+        target = programs_per_sm * num_sms(x.device)
+        _moe_lora_pairs(x, out, A, B, pair_token, pair_expert, segs, x_per_pair, target)
         return out
     y = torch.zeros(num_pairs, num_slices * pool_rank, dtype=torch.float32, device=x.device)
     k_dim = x.shape[1]
@@ -307,6 +422,43 @@ def _moe_lora(
         DOT_PRECISION=dot_precision(B.dtype),
     )
     return out
+
+
+def _moe_lora_pairs(
+    x: Tensor,
+    out: Tensor,
+    A: Tensor,
+    B: Tensor,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+    x_per_pair: bool,
+    target_programs: int,
+) -> None:
+    """Launch the "pairs" kernel: P·S items, each slice's columns cut into as many chunks
+    as bring the programs up to `target_programs` (a chunk recomputes the shrink)."""
+    num_pairs, k_dim = pair_token.shape[0], x.shape[1]
+    pool_rank = B.shape[3]
+    num_slices = A.shape[2] // pool_rank
+    slice_width = out.shape[1] // num_slices
+    block_r = max(triton.next_power_of_2(pool_rank), 16)
+    wanted_chunks = max(1, target_programs // (num_pairs * num_slices))
+    # Tiles of at most 8192 elements (64 float32 registers per thread at 4 warps), at least
+    # 64 columns (a chunk's shrink costs as much as 4-8 column blocks).
+    cols = triton.next_power_of_2(triton.cdiv(slice_width, wanted_chunks))
+    block_n = min(8192 // block_r, max(cols, 64))
+    n_blocks = triton.cdiv(slice_width, block_n)
+    chunks = min(n_blocks, wanted_chunks)
+    cols_per_program = triton.cdiv(n_blocks, chunks) * block_n
+    chunks = triton.cdiv(slice_width, cols_per_program)
+    _moe_lora_pair_kernel[(num_pairs * num_slices * chunks,)](
+        x, A, B, out, pair_token, pair_expert, segs.token_slot, segs.slot_rank,
+        k_dim, slice_width, pool_rank, A.shape[1], B.shape[1], cols_per_program, chunks,
+        *x.stride(), *A.stride(), *B.stride(), *out.stride(),
+        NUM_SLICES=num_slices, X_PER_PAIR=x_per_pair,
+        BLOCK_R=block_r, BLOCK_K=min(8192 // block_r, triton.next_power_of_2(max(k_dim, 16))),
+        BLOCK_N=block_n,
+    )  # fmt: skip
 
 
 def moe_lora_gate_up_ref(

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import moe_lora
 from kernels.lora_segments import build_lora_segments
 from kernels.moe_lora import (
+    MOE_VARIANTS,
     moe_lora_down,
     moe_lora_down_ref,
     moe_lora_gate_up,
@@ -58,12 +60,13 @@ def _moe_case(
     poison=0.0,
     experts=EXPERTS,
     top_k=TOP_K,
+    padding=3,
 ):  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     ranks = mixed_ranks(5, pool_rank, gen)
     segs = build_lora_segments(popular_slots(popularity, num_tokens, 5, gen), ranks)
-    pair_token, pair_expert = _routing(num_tokens, experts, top_k, gen)
+    pair_token, pair_expert = _routing(num_tokens, experts, top_k, gen, padding)
     slices = 2 if gated else 1
     outer = 1 if shared_outer else experts
     weights = {
@@ -84,6 +87,7 @@ def _moe_case(
 
 
 def _run_both(segs, pt, pe, t, dtype) -> None:  # type: ignore[no-untyped-def]
+    """Every launcher variant against the float32 reference."""
     f32 = {k: v.float() for k, v in t.items()}
     exp_inter = moe_lora_gate_up_ref(
         f32["x"], f32["inter"].clone(), f32["A_gu"], f32["B_gu"], pt, pe, segs
@@ -91,10 +95,15 @@ def _run_both(segs, pt, pe, t, dtype) -> None:  # type: ignore[no-untyped-def]
     exp_down = moe_lora_down_ref(
         f32["act"], f32["down"].clone(), f32["A_d"], f32["B_d"], pt, pe, segs
     )
-    got_inter = moe_lora_gate_up(t["x"], t["inter"].clone(), t["A_gu"], t["B_gu"], pt, pe, segs)
-    got_down = moe_lora_down(t["act"], t["down"].clone(), t["A_d"], t["B_d"], pt, pe, segs)
-    assert_close(got_inter, exp_inter, dtype)
-    assert_close(got_down, exp_down, dtype)
+    for variant in MOE_VARIANTS:
+        got_inter = moe_lora_gate_up(
+            t["x"], t["inter"].clone(), t["A_gu"], t["B_gu"], pt, pe, segs, variant=variant
+        )
+        got_down = moe_lora_down(
+            t["act"], t["down"].clone(), t["A_d"], t["B_d"], pt, pe, segs, variant=variant
+        )
+        assert_close(got_inter, exp_inter, dtype)
+        assert_close(got_down, exp_down, dtype)
 
 
 @pytest.mark.parametrize("popularity", POPULARITIES)
@@ -116,17 +125,38 @@ def test_moe_lora_layouts(gated, shared_outer) -> None:  # type: ignore[no-untyp
     _run_both(segs, pt, pe, t, torch.float32)
 
 
-def test_moe_lora_never_reads_past_a_slot_rank() -> None:
+@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
+def test_moe_lora_never_reads_past_a_slot_rank(variant) -> None:  # type: ignore[no-untyped-def]
     segs, pt, pe, t = _moe_case("skewed", 15, torch.float32, 3, pool_rank=32, poison=float("nan"))
-    got = moe_lora_gate_up(t["x"], t["inter"].clone(), t["A_gu"], t["B_gu"], pt, pe, segs)
+    got = moe_lora_gate_up(
+        t["x"], t["inter"].clone(), t["A_gu"], t["B_gu"], pt, pe, segs, variant=variant
+    )
     assert torch.isfinite(got).all()
     assert_close(
         got,
         moe_lora_gate_up_ref(t["x"], t["inter"], t["A_gu"], t["B_gu"], pt, pe, segs),
         torch.float32,
     )
-    got = moe_lora_down(t["act"], t["down"].clone(), t["A_d"], t["B_d"], pt, pe, segs)
+    got = moe_lora_down(
+        t["act"], t["down"].clone(), t["A_d"], t["B_d"], pt, pe, segs, variant=variant
+    )
     assert torch.isfinite(got).all()
+
+
+def test_pairs_kernel_with_columns_split_over_programs() -> None:
+    """A decode step of 2 tokens: the "pairs" launch cuts each slice's columns into chunks
+    (each recomputing the shrink) when there are fewer items than programs wanted."""
+    segs, pt, pe, t = _moe_case("distinct", 2, torch.float32, 8, padding=1)
+    f32 = {k: v.float() for k, v in t.items()}
+    for x, out, a, b, per_pair, ref in (
+        ("x", "inter", "A_gu", "B_gu", False, moe_lora_gate_up_ref),
+        ("act", "down", "A_d", "B_d", True, moe_lora_down_ref),
+    ):
+        got = t[out].clone()
+        # 64 programs wanted for 5 pairs: down's 70 columns go to 2 programs of 64.
+        moe_lora._moe_lora_pairs(t[x], got, t[a], t[b], pt, pe, segs, per_pair, 64)
+        expected = ref(f32[x], f32[out].clone(), f32[a], f32[b], pt, pe, segs)
+        assert_close(got, expected, torch.float32)
 
 
 def test_every_token_on_one_expert_with_one_adapter() -> None:
@@ -167,9 +197,10 @@ def test_launchers_reject_mismatched_shapes() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize("num_tokens", [1, 64, 512])
-def test_moe_lora_bf16_gpu(popularity, num_tokens) -> None:  # type: ignore[no-untyped-def]
+def test_moe_lora_bf16_gpu(popularity, num_tokens, variant) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(7)
     hidden, moe_inter, experts, top_k, pool_rank = 7168, 2048, 32, 8, 16
     ranks = mixed_ranks(8, pool_rank, gen)
@@ -181,4 +212,5 @@ def test_moe_lora_bf16_gpu(popularity, num_tokens) -> None:  # type: ignore[no-u
     x = torch.randn(num_tokens, hidden, generator=gen).to(**bf16)
     inter = torch.randn(pt.shape[0], 2 * moe_inter, generator=gen).to(**bf16)
     expected = moe_lora_gate_up_ref(x.float(), inter.float(), A.float(), B.float(), pt, pe, segs)
-    assert_close(moe_lora_gate_up(x, inter, A, B, pt, pe, segs), expected, torch.bfloat16)
+    got = moe_lora_gate_up(x, inter, A, B, pt, pe, segs, variant=variant)
+    assert_close(got, expected, torch.bfloat16)

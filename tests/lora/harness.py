@@ -7,6 +7,7 @@ logprob of every token comes back, to compare with a full-sequence forward of th
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from inference_svc.engine.kv_pages import PageAllocator, pages_for
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.model.loader import load_model
-from tests.fixtures.tiny_models import tiny_config
+from tests.fixtures.tiny_models import build_tiny_model, tiny_config
 from tests.normalize.peft_adapters import make_peft_adapter
 
 TOL = 1e-4
@@ -128,3 +129,61 @@ class Scenario:
 
 def max_logprob_diff(seq: Seq, expected: torch.Tensor) -> float:
     return (torch.stack(seq.logprobs) - expected).abs().max().item()
+
+
+@dataclass(frozen=True)
+class SeqKL:
+    """Worst token of one sequence: KL(peft fp32 ‖ ours), KL(peft fp32 ‖ peft bf16), and the
+    adapter's effect (max |Δlogprob| of the fp32 oracle against the base model)."""
+
+    slot: int
+    ours: float
+    reference_bf16: float
+    effect: float
+
+
+def scaled_peft_case(
+    spec: str, rank: int, seed: int, b_scale: float
+) -> tuple[torch.nn.Module, CanonicalAdapter]:
+    """`peft_case` with lora_B times `b_scale` in the peft model and the adapter alike."""
+    peft_model, adapter = peft_case(spec, rank, seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(b_scale)
+    return peft_model, small_lora_b(adapter, b_scale)
+
+
+def kl_per_token(ref: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
+    """KL(ref ‖ ours) per row of two [L, vocab] logprob tensors."""
+    return (ref.exp() * (ref - ours)).sum(dim=-1)
+
+
+def bf16_kl_scenario(folder: Path, spec: str, device: str, b_scale: float) -> list[SeqKL]:
+    """Two adapters (ranks 4 and 16) and the base model share prefill and decode steps of a
+    bf16 runner; each sequence's KL against transformers+peft in float32, next to what
+    transformers+peft itself loses in bf16 (on the CPU) on the same tokens.
+
+    The random peft adapters have ΔW of 2-4x the base weights at b_scale 1, which makes the
+    adapted model ~10x more sensitive to any bf16 rounding (docs/kernel_notes.md §6).
+    """
+    runner = make_runner(folder, spec, num_slots=4, max_rank=16, device=device,
+                         dtype=torch.bfloat16)  # fmt: skip
+    cases = [scaled_peft_case(spec, 4, 21, b_scale), scaled_peft_case(spec, 16, 22, b_scale)]
+    for slot, (_, adapter) in zip((3, 1), cases, strict=True):
+        runner.lora_pool.load(slot, adapter).wait_on()
+    tokens = random_tokens([12, 10, 9, 11], seed=23)
+    slots = [3, -1, 1, 3]
+    scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
+    scenario.run([5, 6, 4, 3], [1, 1, 5, 4])
+    base = build_tiny_model(spec)
+    oracles = [cases[0][0], base, cases[1][0], cases[0][0]]
+    rows = []
+    for seq, oracle in zip(scenario.seqs, oracles, strict=True):
+        ref = oracle_logprobs(oracle, seq.tokens)  # [L, vocab] float32 on the CPU
+        ours = torch.stack(seq.logprobs).float()
+        reference_bf16 = oracle_logprobs(copy.deepcopy(oracle).to(torch.bfloat16), seq.tokens)
+        effect = (ref - oracle_logprobs(base, seq.tokens)).abs().max().item()
+        rows.append(SeqKL(seq.slot, kl_per_token(ref, ours).max().item(),
+                          kl_per_token(ref, reference_bf16).max().item(), effect))  # fmt: skip
+    return rows
