@@ -24,7 +24,7 @@ import torch
 from adapter_store.format import CanonicalAdapter, model_lora_shapes
 from inference_svc.adapters.host_cache import adapter_bytes
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
-from tests.fixtures.random_adapters import random_adapter
+from adapter_store.synthetic import random_adapter
 
 # DeepSeek-V2-Lite (15.7B total, MoE): the "16B MoE" of TARGETS.md.
 V2_LITE = {
