@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Every GPU benchmark in sequence, each under its own time limit (≈ 9 min in all), into one
+# results folder; then the table of every target vs measured (bench/summary.py).
+#
+#   bash bench/run_all.sh [RESULTS_DIR] [NAME ...]     (make bench = all, bench/results/latest)
+#
+# NAMEs pick a subset, in this order: ceilings lora_kernels model_decode lora_decode_overhead
+# lora_slot_load serve_offline_r16 serve_online serve_offline_r64. A benchmark cut off by its
+# limit keeps what it wrote (the serving ones rewrite their JSON after every scenario and
+# skip scenarios that would not fit: --time-budget). Logs: RESULTS_DIR/NAME.log.
+set -u
+OUT=${1:-bench/results/latest}
+shift $(( $# > 0 ? 1 : 0 ))
+WANTED=" $* "
+PY=${GPU_PY:-python3}
+mkdir -p "$OUT"
+START=$(date +%s)
+
+run() {  # run NAME LIMIT_S MODULE ARGS...
+  local name=$1 limit=$2
+  shift 2
+  if [[ "$WANTED" != "  " && "$WANTED" != *" $name "* ]]; then return; fi
+  local began=$(date +%s)
+  echo "== $name (limit ${limit} s)"
+  timeout -k 10 "$limit" "$PY" -m "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "   rc $rc, $(( $(date +%s) - began )) s$([[ $rc == 124 ]] && echo ' (time limit: partial results)')"
+  tail -n 12 "$OUT/$name.log" | sed 's/^/   | /'
+}
+
+run ceilings 30 bench.ceilings --out "$OUT/ceilings.json"
+run lora_kernels 50 bench.lora_kernels --targets --out "$OUT/lora_kernels.json"
+run model_decode 50 bench.model_decode --json "$OUT/model_decode.json" \
+  --plot "$OUT/model_decode.png" --batch-sizes 1 64 256
+run lora_decode_overhead 45 bench.lora_decode_overhead --out "$OUT/lora_decode_overhead.json"
+run lora_slot_load 45 bench.lora_slot_load --out "$OUT/lora_slot_load.json" --reps 5
+run serve_offline_r16 140 bench.serve_offline --rank 16 --out "$OUT/serve_offline_r16.json" \
+  --time-budget 125
+run serve_online 120 bench.serve_online --rank 16 --out "$OUT/serve_online.json" \
+  --rates 4 16 --duration 10 --probes 6
+run serve_offline_r64 50 bench.serve_offline --rank 64 --out "$OUT/serve_offline_r64.json" \
+  --time-budget 40 --scenarios "no LoRA" "N=32 uniform" "N=8 zipf" "N=1000 zipf"
+
+echo "== all done in $(( $(date +%s) - START )) s; results in $OUT"
+"$PY" -m bench.summary "$OUT"
