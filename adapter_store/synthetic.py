@@ -29,16 +29,18 @@ def random_adapter(
     seed: int = 0,
     base_model: str = "tiny",
     std: float = 1.0,
+    device: str = "cpu",
 ) -> CanonicalAdapter:
     """An adapter of rank `rank` on every layer of `modules` (default: all of them).
 
     Values are random (normal, standard deviation `std`) and non-zero everywhere, so a test
     sees any misplaced row or column; benchmarks pass a small `std` so a random model's
-    activations stay finite.
+    activations stay finite. `device="cuda"` draws the values there (much faster for
+    adapters of GBs; other values than the CPU's for the same seed); tensors end on the CPU.
     `moe_layout="shared_outer"` gives moe.gate_up lora_A and moe.down lora_B a leading 1.
     """
     wanted = None if modules is None else set(modules)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     module_ranks: dict[str, int] = {}
     module_slices: dict[str, list[int]] = {}
@@ -75,4 +77,5 @@ def random_adapter(
 
 
 def _randn(shape: tuple[int, ...], generator: torch.Generator, dtype: torch.dtype, std: float):
-    return torch.randn(shape, generator=generator).mul_(std).to(dtype)
+    values = torch.randn(shape, generator=generator, device=generator.device)
+    return values.mul_(std).to(dtype).cpu()

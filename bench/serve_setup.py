@@ -168,6 +168,7 @@ class AdapterLibrary:
                 seed=index,
                 base_model=BASE_MODEL,
                 std=ADAPTER_STD,
+                device=config.device,
             )
             weights, manifest_json = serialize(adapter)
             (self._set_folder(index) / "weights.safetensors").write_bytes(weights)
