@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         output_len=4 if args.smoke else args.output_len,
         max_num_seqs=4 if args.smoke else args.max_num_seqs,
         max_batch_tokens=64 if args.smoke else args.max_batch_tokens,
-        max_loras=4 if args.smoke else 64,
+        max_loras=2 if args.smoke else 64,
         smoke=args.smoke,
     )
     requests = 6 if args.smoke else args.requests

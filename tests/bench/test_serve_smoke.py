@@ -19,7 +19,7 @@ def test_serve_offline_smoke(tmp_path: Path) -> None:
     for row in rows.values():
         assert row["valid"], row
         assert row["output_tokens"] == row["requests"] * results["meta"]["output_len"]
-    # More adapters than the 4 slots: they cycled host cache → slots.
+    # More adapters than the 2 slots: they cycled host cache → slots.
     assert rows["N=8 zipf"]["distinct_used"] > results["meta"]["gpu_slots"]
     assert rows["N=8 zipf"]["slot_loads"] >= rows["N=8 zipf"]["distinct_used"]
     assert rows["no LoRA"]["slot_loads"] == 0
