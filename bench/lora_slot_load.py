@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from adapter_store.format import CanonicalAdapter, model_lora_shapes
+from adapter_store.synthetic import random_adapter
 from inference_svc.adapters.host_cache import adapter_bytes
 from inference_svc.lora.pool import MIB, LoraPool, LoraPoolConfig
-from tests.fixtures.random_adapters import random_adapter
 
 # DeepSeek-V2-Lite (15.7B total, MoE): the "16B MoE" of TARGETS.md.
 V2_LITE = {

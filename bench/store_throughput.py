@@ -58,9 +58,9 @@ V2_LITE = {
 RANK = 16
 
 
-def v2_lite_peft_folder(folder: Path) -> int:
-    """Write a rank-16 all-module PEFT adapter of V2-Lite's shape; returns its byte size."""
-    c = V2_LITE
+def v2_lite_peft_folder(folder: Path, c: dict = V2_LITE, rank: int = RANK) -> int:
+    """Write a rank-16 all-module PEFT adapter of V2-Lite's shape (or of config `c`, rank
+    `rank`); returns its byte size."""
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     attention = {
         "self_attn.q_proj": (hidden, heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"])),
@@ -93,17 +93,17 @@ def v2_lite_peft_folder(folder: Path) -> int:
         for path, (fan_in, fan_out) in modules.items():
             key = f"base_model.model.model.layers.{layer}.{path}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(
-                RANK, fan_in, generator=generator, dtype=torch.bfloat16
+                rank, fan_in, generator=generator, dtype=torch.bfloat16
             )
             tensors[f"{key}.lora_B.weight"] = torch.randn(
-                fan_out, RANK, generator=generator, dtype=torch.bfloat16
+                fan_out, rank, generator=generator, dtype=torch.bfloat16
             )
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "adapter_model.safetensors")
     config = {
         "peft_type": "LORA",
-        "r": RANK,
-        "lora_alpha": 32,
+        "r": rank,
+        "lora_alpha": 2 * rank,
         "target_modules": [
             "q_proj",
             "kv_a_proj_with_mqa",

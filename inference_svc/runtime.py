@@ -27,6 +27,7 @@ from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.loader import load_model
 from inference_svc.model.tiny import model_folder
 from inference_svc.model.tokenizer import Tokenizer
+from inference_svc.models.deepseek_v3 import DeepseekV3Model
 
 log = logging.getLogger("loraserve.runtime")
 
@@ -96,7 +97,40 @@ def build_runtime(
     folder = model_folder(config.model)
     hf_config = json.loads((folder / "config.json").read_text())
     loaded = load_model(folder, config.device, config.torch_dtype)
-    max_model_len = config.max_model_len or loaded.config.max_position_embeddings
+    engine = assemble_engine(config, loaded.model, hf_config, source, metrics, on_fetched)
+    log.info(
+        "model %s (%s, %s on %s): max model len %d, %d KV pages of %d tokens",
+        config.base_model_name,
+        Path(folder).name,
+        config.dtype,
+        config.device,
+        engine.scheduler.config.max_model_len,
+        engine.scheduler.config.num_pages,
+        config.page_size,
+    )
+    return Runtime(config, engine, loaded.tokenizer, hf_config, metrics)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Decode graphs worth capturing: powers of two up to the first that holds
+    `max_num_seqs` (larger ones never replay, and each costs capture time and memory)."""
+    sizes = [1]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
+def assemble_engine(
+    config: RuntimeConfig,
+    model: DeepseekV3Model,
+    hf_config: dict[str, Any],
+    source: AdapterSource | None,
+    metrics: InferenceMetrics,
+    on_fetched: Callable[[], None] = lambda: None,
+) -> LLMEngine:
+    """KV cache, LoRA slot pool, adapter tiers, scheduler and engine around a built model
+    (the service loads it from a checkpoint; benchmarks build random weights)."""
+    max_model_len = config.max_model_len or model.config.max_position_embeddings
     kv_pages = config.kv_pages or config.max_num_seqs * pages_for(max_model_len, config.page_size)
     pool = LoraPool.from_config(
         model_lora_shapes(hf_config),
@@ -109,11 +143,12 @@ def build_runtime(
         ),
     )
     runner = ModelRunner(
-        loaded.model,
+        model,
         RunnerConfig(
             num_pages=kv_pages,
             page_size=config.page_size,
             max_pages_per_seq=pages_for(max_model_len, config.page_size),
+            cuda_graph_batch_sizes=graph_batch_sizes(config.max_num_seqs),
         ),
         lora_pool=pool,
     )
@@ -138,15 +173,4 @@ def build_runtime(
         residency,
         metrics,
     )
-    log.info(
-        "model %s (%s, %s on %s): max model len %d, %d KV pages of %d tokens",
-        config.base_model_name,
-        Path(folder).name,
-        config.dtype,
-        config.device,
-        max_model_len,
-        kv_pages,
-        config.page_size,
-    )
-    engine = LLMEngine(runner, scheduler, metrics)
-    return Runtime(config, engine, loaded.tokenizer, hf_config, metrics)
+    return LLMEngine(runner, scheduler, metrics)

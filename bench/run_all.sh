@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Every GPU benchmark in sequence, each under its own time limit (≈ 9 min in all), into one
+# results folder; then the table of every target vs measured (bench/summary.py).
+#
+#   bash bench/run_all.sh [RESULTS_DIR] [NAME ...]     (make bench = all, bench/results/latest)
+#
+# NAMEs pick a subset, in this order: ceilings lora_kernels model_decode lora_decode_overhead
+# lora_slot_load serve_offline_r16 serve_online serve_offline_r64. A benchmark cut off by its
+# limit keeps what it wrote (the serving ones rewrite their JSON after every scenario and
+# skip scenarios that would not fit: --time-budget). Logs: RESULTS_DIR/NAME.log.
+# Limits (s) can be changed per benchmark: LIMIT_<NAME>=300 bash bench/run_all.sh DIR NAME.
+set -u
+OUT=${1:-bench/results/latest}
+shift $(( $# > 0 ? 1 : 0 ))
+WANTED=" $* "
+PY=${GPU_PY:-python3}
+mkdir -p "$OUT"
+START=$(date +%s)
+for name_limit in ceilings:30 lora_kernels:50 model_decode:50 lora_decode_overhead:45 \
+    lora_slot_load:45 serve_offline_r16:140 serve_online:120 serve_offline_r64:50; do
+  var="LIMIT_${name_limit%%:*}"
+  declare "$var=${!var:-${name_limit##*:}}"
+done
+
+run() {  # run NAME LIMIT_S MODULE ARGS...
+  local name=$1 limit=$2
+  shift 2
+  if [[ "$WANTED" != "  " && "$WANTED" != *" $name "* ]]; then return; fi
+  local began=$(date +%s)
+  echo "== $name (limit ${limit} s)"
+  timeout -k 10 "$limit" "$PY" -m "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "   rc $rc, $(( $(date +%s) - began )) s$([[ $rc == 124 ]] && echo ' (time limit: partial results)')"
+  tail -n 12 "$OUT/$name.log" | sed 's/^/   | /'
+}
+
+run ceilings "$LIMIT_ceilings" bench.ceilings --out "$OUT/ceilings.json"
+run lora_kernels "$LIMIT_lora_kernels" bench.lora_kernels --targets --out "$OUT/lora_kernels.json"
+run model_decode "$LIMIT_model_decode" bench.model_decode --json "$OUT/model_decode.json" \
+  --plot "$OUT/model_decode.png" --batch-sizes 1 64 256
+run lora_decode_overhead "$LIMIT_lora_decode_overhead" bench.lora_decode_overhead --out "$OUT/lora_decode_overhead.json"
+run lora_slot_load "$LIMIT_lora_slot_load" bench.lora_slot_load --out "$OUT/lora_slot_load.json" --reps 5
+run serve_offline_r16 "$LIMIT_serve_offline_r16" bench.serve_offline --rank 16 \
+  --out "$OUT/serve_offline_r16.json" --time-budget $(( LIMIT_serve_offline_r16 - 15 ))
+run serve_online "$LIMIT_serve_online" bench.serve_online --rank 16 --out "$OUT/serve_online.json" \
+  --rates 4 16 --duration 10 --probes 6
+run serve_offline_r64 "$LIMIT_serve_offline_r64" bench.serve_offline --rank 64 \
+  --out "$OUT/serve_offline_r64.json" --time-budget $(( LIMIT_serve_offline_r64 - 10 )) --scenarios "no LoRA" "N=32 uniform" "N=8 zipf" "N=1000 zipf"
+
+echo "== all done in $(( $(date +%s) - START )) s; results in $OUT"
+"$PY" -m bench.summary "$OUT"

@@ -1,0 +1,315 @@
+"""Offline serving throughput with many adapters (issue 9), the engine in-process on the GPU.
+
+Random-weight DeepSeek-V2-Lite shape with `q_lora_rank` 1536, bf16 (`bench.serve_setup`),
+`--layers` decoder layers (27 = the whole model). Each scenario submits `--requests`
+requests at once (input `--prompt-len` random tokens, exactly `--output-len` generated,
+greedy) and runs the engine's step loop until all finish; throughput = generated tokens ÷
+wall time from the first submission to the last token (prefill included: the engine
+interleaves it with decodes). Scenarios: no LoRA, then N distinct adapters of rank
+`--rank` on every module (MLA q_a/kv_a, q_b, kv_b, o, dense/shared MLP, routed experts
+per expert) with uniform or zipf(1.1) popularity, N in {1, 8, 32, 128, 1000}. Every
+scenario's adapters are new names, in the host cache but in no GPU slot at its start: more
+names than slots cycle host cache → slots during the run (each slot load counted).
+
+Ratios, all from this one run (one engine, one process):
+  throughput(N) ÷ throughput(no LoRA)           goal ≥ 0.90 at N=32, rank 16
+  throughput(N=1000 zipf) ÷ throughput(N=8 zipf)  goal ≥ 0.95
+
+Scenarios run in priority order (the goals' first) and the JSON is rewritten after each,
+so `--time-budget` (skip what would not fit) or an outer `timeout` keeps what finished.
+
+    python3 -m bench.serve_offline --out bench/results/serve_offline_r16.json --rank 16
+    python -m bench.serve_offline --out /tmp/serve_offline.json --smoke   # CPU setup check
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.gpu_timing import device_name
+from bench.serve_setup import (
+    AdapterLibrary,
+    ServeBenchConfig,
+    adapter_names,
+    build_engine,
+    build_model,
+    draw_popularity,
+    host_bytes_note,
+    make_request,
+    now_iso,
+    save,
+    synchronize,
+)
+from inference_svc.engine.engine import LLMEngine
+from inference_svc.engine.sequence import FinishReason
+
+GOAL_N32_VS_BASE = 0.90
+GOAL_N1000_VS_N8 = 0.95
+
+
+@dataclass(frozen=True)
+class Scenario:
+    adapters: int  # 0: no LoRA
+    popularity: str = "uniform"
+
+    @property
+    def label(self) -> str:
+        return "no LoRA" if self.adapters == 0 else f"N={self.adapters} {self.popularity}"
+
+
+# Priority order: the two goals' scenarios first.
+SCENARIOS = (
+    Scenario(0),
+    Scenario(32, "uniform"),
+    Scenario(8, "zipf"),
+    Scenario(1000, "zipf"),
+    Scenario(8, "uniform"),
+    Scenario(1, "uniform"),
+    Scenario(32, "zipf"),
+    Scenario(128, "uniform"),
+    Scenario(128, "zipf"),
+    Scenario(1000, "uniform"),
+)
+
+
+def run_scenario(
+    engine: LLMEngine,
+    library: AdapterLibrary,
+    config: ServeBenchConfig,
+    scenario: Scenario,
+    requests: int,
+    tag: str,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Submit `requests` at once, step until all finish; one result row."""
+    vocab = engine.runner.model.config.vocab_size
+    names = adapter_names(tag, scenario.adapters)
+    library.preload(engine, names)
+    picks = draw_popularity(max(1, scenario.adapters), scenario.popularity, requests, seed=7)
+    seqs = [
+        make_request(
+            f"{tag}-{i}",
+            config,
+            vocab,
+            seed=i,
+            adapter=library.binding(names[pick]) if names else None,
+        )
+        for i, pick in enumerate(picks)
+    ]
+    slots = engine.scheduler.slots
+    before = slots.metrics()
+    steps = 0
+    complete = True
+    synchronize(config)
+    start = time.perf_counter()
+    for seq in seqs:
+        engine.add_request(seq)
+    while engine.has_work():
+        if engine.step():
+            steps += 1
+        else:
+            time.sleep(0.0005)  # adapters streaming into the host cache
+        if time.perf_counter() - start > timeout_s:
+            complete = False
+            for seq in seqs:
+                engine.abort(seq.request_id)
+            break
+    synchronize(config)
+    seconds = time.perf_counter() - start
+    after = slots.metrics()
+    library.discard(engine, names)
+    generated = sum(len(seq.output_token_ids) for seq in seqs)
+    failed = sum(seq.finish_reason is FinishReason.ERROR for seq in seqs)
+    return {
+        "scenario": scenario.label,
+        "rank": config.rank if scenario.adapters else 0,
+        "adapters": scenario.adapters,
+        "popularity": scenario.popularity if scenario.adapters else None,
+        "distinct_used": len({names[p] for p in picks}) if names else 0,
+        "requests": requests,
+        "output_tokens": generated,
+        "prompt_tokens": requests * config.prompt_len,
+        "seconds": seconds,
+        "output_tokens_per_s": generated / seconds,
+        "total_tokens_per_s": (generated + requests * config.prompt_len) / seconds,
+        "steps": steps,
+        "slot_loads": after.loads - before.loads,
+        "slot_evictions": after.evictions - before.evictions,
+        "complete": complete,
+        "failed": failed,
+        "valid": complete and failed == 0,
+    }
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every LoRA row ÷ no LoRA, and the two goal ratios when their rows are valid."""
+    by_label = {row["scenario"]: row for row in rows if row["valid"]}
+
+    def ratio(top: str, bottom: str) -> float | None:
+        if top in by_label and bottom in by_label:
+            return by_label[top]["output_tokens_per_s"] / by_label[bottom]["output_tokens_per_s"]
+        return None
+
+    out: dict[str, Any] = {
+        "vs_no_lora": {label: ratio(label, "no LoRA") for label in by_label if label != "no LoRA"},
+        "n32_uniform_vs_no_lora": ratio("N=32 uniform", "no LoRA"),
+        "n32_zipf_vs_no_lora": ratio("N=32 zipf", "no LoRA"),
+        "n1000_zipf_vs_n8_zipf": ratio("N=1000 zipf", "N=8 zipf"),
+        "n1000_zipf_vs_n8_uniform": ratio("N=1000 zipf", "N=8 uniform"),
+        "goals": {"n32_vs_no_lora": GOAL_N32_VS_BASE, "n1000_zipf_vs_n8": GOAL_N1000_VS_N8},
+    }
+    return out
+
+
+def warm_up(engine: LLMEngine, library: AdapterLibrary, config: ServeBenchConfig) -> None:
+    """Compile every kernel shape the scenarios use (prefill chunks, LoRA and base decode)
+    before anything is timed."""
+    short = replace(config, output_len=4)
+    for scenario in (Scenario(0), Scenario(2)):
+        run_scenario(engine, library, short, scenario, 4, f"warm{scenario.adapters}", 600)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in results["rows"] if row["valid"]]
+    if not rows:
+        return
+    base = next((r["output_tokens_per_s"] for r in rows if r["adapters"] == 0), None)
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(rows)), 4.5))
+    labels = [row["scenario"] for row in rows]
+    values = [row["output_tokens_per_s"] for row in rows]
+    bars = ax.bar(labels, values, color=["C7" if r["adapters"] == 0 else "C0" for r in rows])
+    if base:
+        for bar, value in zip(bars, values, strict=True):
+            ax.annotate(f"{value / base:.2f}", (bar.get_x() + bar.get_width() / 2, value),
+                        ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.axhline(GOAL_N32_VS_BASE * base, color="red", linestyle="--", label="0.90 × no LoRA")
+        ax.legend()
+    meta = results["meta"]
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(
+        f"offline serving, rank {meta['rank']}, {meta['layers']} layers, "
+        f"in {meta['prompt_len']} / out {meta['output_len']}, {meta['device']}",
+        fontsize=9,
+    )
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="JSON; the PNG goes beside it")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=27, help="decoder layers (V2-Lite: 27)")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--scenarios", nargs="+", help="labels to run, e.g. 'no LoRA' 'N=8 zipf'")
+    parser.add_argument("--time-budget", type=float, default=0, help="s; 0: no budget")
+    parser.add_argument("--scenario-timeout", type=float, default=300)
+    parser.add_argument("--adapter-dir", type=Path, help="where adapter files go (default tmp)")
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, few requests")
+    args = parser.parse_args(argv)
+
+    config = ServeBenchConfig(
+        layers=2 if args.smoke else args.layers,
+        rank=4 if args.smoke else args.rank,
+        prompt_len=16 if args.smoke else args.prompt_len,
+        output_len=4 if args.smoke else args.output_len,
+        max_num_seqs=4 if args.smoke else args.max_num_seqs,
+        max_batch_tokens=64 if args.smoke else args.max_batch_tokens,
+        max_loras=2 if args.smoke else 64,
+        smoke=args.smoke,
+    )
+    requests = 6 if args.smoke else args.requests
+    scenarios = [s for s in SCENARIOS if not args.scenarios or s.label in args.scenarios]
+    if args.smoke:  # N > slots still cycles host cache → slots, at tiny sizes
+        scenarios = [Scenario(0), Scenario(8, "zipf"), Scenario(2, "uniform")]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.adapter_dir or Path(tmp)
+        model = build_model(config)
+        library = AdapterLibrary(folder / f"rank{config.rank}", config)
+        engine = build_engine(model, config, library)
+        setup_s = time.perf_counter() - started
+        warm_up(engine, library, config)
+        pool = engine.scheduler.residency.pool
+        results: dict[str, Any] = {
+            "meta": {
+                "benchmark": "serve_offline",
+                "date": now_iso(),
+                "command": " ".join(["python3 -m bench.serve_offline", *sys.argv[1:]]),
+                "device": device_name(torch.device(config.device)),
+                "model": "random DeepSeek-V2-Lite shape, q_lora_rank 1536",
+                "layers": config.layers,
+                "full_model": config.layers == 27,
+                "dtype": config.dtype,
+                "rank": config.rank,
+                "gpu_slots": pool.num_slots,
+                "slot_bytes": pool.bytes_per_slot,
+                "adapter_bytes": library.adapter_bytes,
+                "adapters_note": host_bytes_note(library),
+                "prompt_len": config.prompt_len,
+                "output_len": config.output_len,
+                "requests": requests,
+                "max_num_seqs": config.max_num_seqs,
+                "max_batch_tokens": config.max_batch_tokens,
+                "setup_and_capture_s": setup_s,
+                "warm_up_s": time.perf_counter() - started - setup_s,
+            },
+            "rows": [],
+            "skipped": [],
+        }
+        print(
+            f"rank {config.rank}: {pool.num_slots} GPU slots, adapter "
+            f"{library.adapter_bytes / 1e6:.0f} MB, {config.layers} layers, setup "
+            f"{setup_s:.0f} s"
+        )
+        longest = 0.0
+        for index, scenario in enumerate(scenarios):
+            elapsed = time.perf_counter() - started
+            if args.time_budget and elapsed + 1.2 * longest > args.time_budget:
+                results["skipped"].append(scenario.label)
+                print(f"{scenario.label:18s} skipped: time budget ({elapsed:.0f} s used)")
+                continue
+            row = run_scenario(
+                engine, library, config, scenario, requests, f"s{index}", args.scenario_timeout
+            )
+            longest = max(longest, row["seconds"])
+            results["rows"].append(row)
+            results["ratios"] = ratios(results["rows"])
+            results["meta"]["seconds"] = time.perf_counter() - started
+            save(args.out, results)
+            base = results["ratios"]["vs_no_lora"].get(scenario.label)
+            print(
+                f"{scenario.label:18s} {row['output_tokens_per_s']:9.0f} tok/s  "
+                f"{row['seconds']:6.1f} s  slot loads {row['slot_loads']:4d}  "
+                + (f"÷ no LoRA {base:.3f}" if base else "")
+                + ("" if row["valid"] else "  INVALID (timed out or failed requests)")
+            )
+    plot(results, args.out.with_suffix(".png"))
+    r = results.get("ratios", {})
+    print(f"N=32 uniform ÷ no LoRA: {r.get('n32_uniform_vs_no_lora')} (goal ≥ {GOAL_N32_VS_BASE})")
+    print(f"N=1000 zipf ÷ N=8 zipf: {r.get('n1000_zipf_vs_n8_zipf')} (goal ≥ {GOAL_N1000_VS_N8})")
+
+
+if __name__ == "__main__":
+    main()

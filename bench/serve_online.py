@@ -1,0 +1,357 @@
+"""Online serving latency (issue 9): Poisson arrivals at fixed rates, the engine in-process
+on its own thread (`EngineLoop`, as the service runs it), on the GPU.
+
+Same model and requests as `bench.serve_offline` (random V2-Lite shape with `q_lora_rank`
+1536, bf16; input `--prompt-len` random tokens, `--output-len` generated, greedy). For each
+rate in `--rates` (requests/s) two runs of `--duration` s: every request on the base model,
+and every request on one of `--adapters` rank-`--rank` adapters (uniform), already in GPU
+slots (loaded and pinned through the LoadAdapter path first). Reported: time to first token
+(from the request's arrival) and inter-token latency (gaps between a request's consecutive
+tokens), p50/p99, and the generated tokens/s achieved.
+
+Cold adapters: a run at `--cold-rate` with the adapter background load, into which probe
+requests are injected every `--probe-interval` s, cycling three kinds:
+  warm       its adapter is in a GPU slot;
+  host-cold  its adapter is in the host cache but in no slot (host → GPU slot load);
+  file-cold  its adapter is in neither: read from local canonical files (read + parse +
+             pinned copy; the S3 download and its sha256 check are timed on the CPU machine
+             by `bench.serve_cold_path`), then loaded into a slot.
+TTFT added by a cold adapter = p50 (p99) of its kind − p50 (p99) of warm. Goal ≤ 100 ms.
+
+    python3 -m bench.serve_online --out bench/results/serve_online.json
+    python -m bench.serve_online --out /tmp/serve_online.json --smoke   # CPU setup check
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.gpu_timing import device_name
+from bench.serve_offline import warm_up
+from bench.serve_setup import (
+    AdapterLibrary,
+    ServeBenchConfig,
+    adapter_names,
+    build_engine,
+    build_model,
+    host_bytes_note,
+    make_request,
+    now_iso,
+    percentiles_ms,
+    save,
+)
+from inference_svc.engine.engine import LLMEngine
+from inference_svc.engine.engine_loop import EngineLoop
+from inference_svc.engine.scheduler import PrefetchTicket
+from inference_svc.engine.sequence import AdapterBinding, SequenceOutput
+
+GOAL_COLD_TTFT_ADDED_MS = 100.0
+COLD_KINDS = ("warm", "host-cold", "file-cold")
+
+
+@dataclass
+class Arrival:
+    at_s: float  # after the run's start
+    kind: str  # "base", "lora" or one of COLD_KINDS
+    adapter: AdapterBinding | None
+
+
+@dataclass
+class Trace:
+    """One request's timeline, filled by the engine thread through `sink`."""
+
+    kind: str
+    sent_s: float  # its Poisson arrival time (monotonic), even if the driver ran late
+    token_s: list[float] = field(default_factory=list)
+    finished: bool = False
+    failed: bool = False
+
+    def sink(self, output: SequenceOutput) -> None:
+        now = time.monotonic()
+        self.token_s.extend([now] * len(output.token_ids))
+        if output.finish_reason is not None:
+            self.failed = output.error is not None
+            self.finished = True
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_s[0] - self.sent_s if self.token_s else None
+
+    @property
+    def gaps_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_s, self.token_s[1:], strict=False)]
+
+
+def poisson_times(rate: float, duration_s: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    times, t = [], rng.expovariate(rate)
+    while t < duration_s:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def drive(
+    loop: EngineLoop,
+    engine: LLMEngine,
+    config: ServeBenchConfig,
+    arrivals: list[Arrival],
+    tag: str,
+    drain_timeout_s: float,
+) -> tuple[list[Trace], float]:
+    """Submit each arrival at its time; wait for all to finish. Returns the traces and the
+    seconds from the first arrival to the last token."""
+    vocab = engine.runner.model.config.vocab_size
+    traces = []
+    start = time.monotonic()
+    for i, arrival in enumerate(sorted(arrivals, key=lambda a: a.at_s)):
+        delay = start + arrival.at_s - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        trace = Trace(arrival.kind, start + arrival.at_s)
+        seq = make_request(f"{tag}-{i}", config, vocab, i, arrival.adapter, trace.sink)
+        loop.call(lambda seq=seq: engine.add_request(seq))
+        traces.append(trace)
+    deadline = time.monotonic() + drain_timeout_s
+    while not all(t.finished for t in traces) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for i, trace in enumerate(traces):
+        if not trace.finished:
+            loop.call(lambda rid=f"{tag}-{i}": engine.abort(rid)).result()
+    last = max((t.token_s[-1] for t in traces if t.token_s), default=start)
+    first = min((t.sent_s for t in traces), default=start)
+    return traces, last - first
+
+
+def summarize(traces: list[Trace], seconds: float) -> dict[str, Any]:
+    done = [t for t in traces if t.finished and not t.failed and t.token_s]
+    return {
+        "requests": len(traces),
+        "completed": len(done),
+        "failed": sum(t.failed for t in traces),
+        "unfinished": sum(not t.finished for t in traces),
+        "ttft": percentiles_ms([t.ttft_s for t in done if t.ttft_s is not None]),
+        "itl": percentiles_ms([gap for t in done for gap in t.gaps_s]),
+        "output_tokens_per_s": sum(len(t.token_s) for t in done) / seconds if seconds else 0.0,
+    }
+
+
+def load_into_slots(loop: EngineLoop, engine: LLMEngine, adapters: list[AdapterBinding]) -> None:
+    """LoadAdapter with pin: each adapter in a GPU slot before the runs start."""
+    futures: list[Future] = []
+    for adapter in adapters:
+        ticket = PrefetchTicket(adapter, pin=True, future=Future())
+        loop.call(lambda t=ticket: engine.prefetch(t)).result()
+        futures.append(ticket.future)
+    for future in futures:
+        future.result(timeout=600)
+
+
+def cold_arrivals(
+    rate: float,
+    probes_per_kind: int,
+    interval_s: float,
+    warm: list[AdapterBinding],
+    host_cold: list[AdapterBinding],
+    file_cold: list[AdapterBinding],
+) -> list[Arrival]:
+    """Adapter background load at `rate` plus probes every `interval_s`, kinds in turn."""
+    duration = interval_s * (len(COLD_KINDS) * probes_per_kind + 1)
+    rng = random.Random(3)
+    arrivals = [
+        Arrival(t, "lora", rng.choice(warm)) for t in poisson_times(rate, duration, seed=11)
+    ]
+    fresh = {"host-cold": iter(host_cold), "file-cold": iter(file_cold)}
+    for i in range(len(COLD_KINDS) * probes_per_kind):
+        kind = COLD_KINDS[i % len(COLD_KINDS)]
+        adapter = rng.choice(warm) if kind == "warm" else next(fresh[kind])
+        arrivals.append(Arrival(interval_s * (i + 1), kind, adapter))
+    return arrivals
+
+
+def cold_summary(traces: list[Trace]) -> dict[str, Any]:
+    by_kind = {
+        kind: percentiles_ms([t.ttft_s for t in traces if t.kind == kind and t.ttft_s])
+        for kind in COLD_KINDS
+    }
+    warm = by_kind["warm"]
+    added = {
+        kind: {
+            "p50_ms": by_kind[kind]["p50_ms"] - warm["p50_ms"],
+            "p99_ms": by_kind[kind]["p99_ms"] - warm["p99_ms"],
+        }
+        for kind in ("host-cold", "file-cold")
+    }
+    failed = sum(t.failed or not t.finished for t in traces if t.kind in COLD_KINDS)
+    return {"ttft": by_kind, "ttft_added": added, "probes_failed": failed,
+            "goal_added_p50_ms": GOAL_COLD_TTFT_ADDED_MS}  # fmt: skip
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    fig, (ax_ttft, ax_itl, ax_cold) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, metric in ((ax_ttft, "ttft"), (ax_itl, "itl")):
+        for mode, color in (("base", "C7"), ("lora", "C0")):
+            rows = [r for r in runs if r["mode"] == mode]
+            rates = [r["rate"] for r in rows]
+            ax.plot(rates, [r[metric]["p50_ms"] for r in rows], "o-", color=color,
+                    label=f"{mode} p50")  # fmt: skip
+            ax.plot(rates, [r[metric]["p99_ms"] for r in rows], "s--", color=color,
+                    label=f"{mode} p99")  # fmt: skip
+        ax.set(xlabel="requests/s", ylabel="ms", title=metric.upper())
+        ax.legend(fontsize=8)
+    cold = results.get("cold")
+    if cold:
+        kinds = list(cold["ttft"])
+        xs = range(len(kinds))
+        ax_cold.bar([x - 0.2 for x in xs], [cold["ttft"][k]["p50_ms"] for k in kinds], 0.4,
+                    label="p50")  # fmt: skip
+        ax_cold.bar([x + 0.2 for x in xs], [cold["ttft"][k]["p99_ms"] for k in kinds], 0.4,
+                    label="p99")  # fmt: skip
+        warm = cold["ttft"]["warm"]["p50_ms"]
+        ax_cold.axhline(warm + GOAL_COLD_TTFT_ADDED_MS, color="red", linestyle="--",
+                        label="warm p50 + 100 ms")  # fmt: skip
+        ax_cold.set(xticks=list(xs), xticklabels=kinds, ylabel="TTFT ms")
+        ax_cold.set_title(f"cold adapters at {cold['rate']} req/s", fontsize=9)
+        ax_cold.legend(fontsize=8)
+    meta = results["meta"]
+    fig.suptitle(
+        f"online serving, rank {meta['rank']}, {meta['adapters']} adapters, {meta['layers']} "
+        f"layers, in {meta['prompt_len']} / out {meta['output_len']}, {meta['device']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="JSON; the PNG goes beside it")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=27, help="decoder layers (V2-Lite: 27)")
+    parser.add_argument("--adapters", type=int, default=32, help="warm adapters of the LoRA runs")
+    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 16.0])
+    parser.add_argument("--duration", type=float, default=20.0, help="s of arrivals per run")
+    parser.add_argument("--cold-rate", type=float, default=4.0)
+    parser.add_argument("--probes", type=int, default=8, help="cold probes of each kind")
+    parser.add_argument("--probe-interval", type=float, default=1.0)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--drain-timeout", type=float, default=120.0)
+    parser.add_argument("--adapter-dir", type=Path, help="where adapter files go (default tmp)")
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, short runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rates, args.duration, args.cold_rate = [2.0], 1.0, 1.0
+        args.probes, args.probe_interval, args.adapters = 1, 0.5, 2
+
+    config = ServeBenchConfig(
+        layers=2 if args.smoke else args.layers,
+        rank=4 if args.smoke else args.rank,
+        prompt_len=16 if args.smoke else args.prompt_len,
+        output_len=4 if args.smoke else args.output_len,
+        max_num_seqs=4 if args.smoke else args.max_num_seqs,
+        max_batch_tokens=64 if args.smoke else 8192,
+        max_loras=6 if args.smoke else 64,
+        smoke=args.smoke,
+    )
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        library = AdapterLibrary((args.adapter_dir or Path(tmp)) / f"rank{config.rank}", config)
+        engine = build_engine(build_model(config), config, library)
+        warm_up(engine, library, config)
+        slots = engine.scheduler.residency.pool.num_slots
+        # Leave slots for the cold probes (they are loaded while the warm ones stay pinned).
+        num_warm = max(1, min(args.adapters, slots - 2))
+        warm_names = adapter_names("warm", num_warm)
+        host_names = adapter_names("hostcold", args.probes)
+        library.preload(engine, warm_names + host_names)
+        warm = [library.binding(n) for n in warm_names]
+        results: dict[str, Any] = {
+            "meta": {
+                "benchmark": "serve_online",
+                "date": now_iso(),
+                "command": " ".join(["python3 -m bench.serve_online", *sys.argv[1:]]),
+                "device": device_name(torch.device(config.device)),
+                "model": "random DeepSeek-V2-Lite shape, q_lora_rank 1536",
+                "layers": config.layers,
+                "full_model": config.layers == 27,
+                "dtype": config.dtype,
+                "rank": config.rank,
+                "adapters": num_warm,
+                "gpu_slots": slots,
+                "adapter_bytes": library.adapter_bytes,
+                "adapters_note": host_bytes_note(library),
+                "prompt_len": config.prompt_len,
+                "output_len": config.output_len,
+                "max_num_seqs": config.max_num_seqs,
+                "duration_s": args.duration,
+                "setup_s": time.perf_counter() - started,
+            },
+            "runs": [],
+        }
+        loop = EngineLoop(engine, idle_wait_s=0.002).start()
+        try:
+            load_into_slots(loop, engine, warm)
+            for rate in args.rates:
+                for mode in ("base", "lora"):
+                    rng = random.Random(5)
+                    times = poisson_times(rate, args.duration, seed=int(rate * 1000))
+                    arrivals = [
+                        Arrival(t, mode, rng.choice(warm) if mode == "lora" else None)
+                        for t in times
+                    ]
+                    tag = f"{mode}{rate:g}"
+                    traces, seconds = drive(loop, engine, config, arrivals, tag, args.drain_timeout)
+                    run = {"rate": rate, "mode": mode, **summarize(traces, seconds)}
+                    results["runs"].append(run)
+                    save(args.out, results)
+                    print(
+                        f"{rate:6g} req/s {mode:4s}: TTFT p50 {run['ttft']['p50_ms']:8.1f} "
+                        f"p99 {run['ttft']['p99_ms']:8.1f} ms  ITL p50 "
+                        f"{run['itl']['p50_ms']:7.2f} p99 {run['itl']['p99_ms']:7.2f} ms  "
+                        f"{run['output_tokens_per_s']:7.0f} tok/s  "
+                        f"({run['completed']}/{run['requests']} done)"
+                    )
+            file_cold = [library.binding(n) for n in adapter_names("filecold", args.probes)]
+            host_cold = [library.binding(n) for n in host_names]
+            arrivals = cold_arrivals(
+                args.cold_rate, args.probes, args.probe_interval, warm, host_cold, file_cold
+            )
+            traces, _ = drive(loop, engine, config, arrivals, "cold", args.drain_timeout)
+            results["cold"] = {"rate": args.cold_rate, **cold_summary(traces)}
+        finally:
+            loop.stop()
+        results["meta"]["seconds"] = time.perf_counter() - started
+        save(args.out, results)
+    cold = results["cold"]
+    for kind, stats in cold["ttft"].items():
+        added = cold["ttft_added"].get(kind)
+        print(
+            f"{kind:9s} TTFT p50 {stats['p50_ms']:8.1f} p99 {stats['p99_ms']:8.1f} ms"
+            + (f"  added p50 {added['p50_ms']:8.1f} p99 {added['p99_ms']:8.1f} ms" if added else "")
+        )
+    plot(results, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Every performance target of TARGETS.md / issue 9 beside what a results folder measured.
+
+Reads the JSON files `bench/run_all.sh` writes (and the CPU machine's cold-path file) and
+prints one table: target, goal, measured, met. A benchmark that did not run shows
+"not run"; nothing is filled in from elsewhere.
+
+    python3 -m bench.summary bench/results/latest [--cold docs/bench/serve_cold_path.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# TARGETS.md: (rank, tokens, adapters) -> (shrink µs, expand µs) goals.
+SGMV_TARGETS = {
+    (16, 1, 1): (4, 2),
+    (16, 64, 32): (4, 4),
+    (16, 256, 64): (7, 8),
+    (64, 64, 32): (10, 11),
+    (64, 256, 64): (20, 23),
+}
+
+
+@dataclass(frozen=True)
+class Line:
+    target: str
+    goal: str
+    measured: str
+    met: bool | None  # None: not measured
+
+    @property
+    def verdict(self) -> str:
+        return {True: "yes", False: "NO", None: "-"}[self.met]
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _missing(target: str, goal: str, why: str = "not run") -> Line:
+    return Line(target, goal, why, None)
+
+
+def _at_most(target: str, goal: float, value: float | None, unit: str = "") -> Line:
+    if value is None:
+        return _missing(target, f"≤ {goal:g}{unit}", "not measured")
+    return Line(target, f"≤ {goal:g}{unit}", f"{value:.3g}{unit}", value <= goal)
+
+
+def _at_least(target: str, goal: float, value: float | None) -> Line:
+    if value is None:
+        return _missing(target, f"≥ {goal:g}", "not measured")
+    return Line(target, f"≥ {goal:g}", f"{value:.3f}", value >= goal)
+
+
+def sgmv_lines(results: Path) -> Iterator[Line]:
+    data = _load(results / "lora_kernels.json")
+    for (rank, tokens, adapters), goals in SGMV_TARGETS.items():
+        for kernel, goal in zip(("shrink", "expand"), goals, strict=True):
+            name = f"SGMV {kernel} r{rank} B{tokens} N{adapters} (µs, best Triton variant)"
+            if data is None:
+                yield _missing(name, f"≤ {goal}")
+                continue
+            times = [
+                row["us"]
+                for row in data["rows"]
+                if row["kernel"] == f"sgmv_{kernel}"
+                and row.get("model") == "v3"
+                and (row["rank"], row["tokens"], row["adapters"]) == (rank, tokens, adapters)
+                and row["provider"].startswith("triton")
+            ]
+            yield _at_most(name, goal, min(times) if times else None)
+
+
+def decode_lines(results: Path) -> Iterator[Line]:
+    data = _load(results / "model_decode.json")
+    for batch in (1, 64, 256):
+        name = f"decode step ÷ floor, B={batch} (no LoRA)"
+        if data is None:
+            yield _missing(name, "≤ 1.5")
+            continue
+        ratio = next((r["ratio"] for r in data["rows"] if r["batch"] == batch), None)
+        yield _at_most(name, 1.5, ratio)
+    data = _load(results / "lora_decode_overhead.json")
+    name = "MoE LoRA cost ÷ base fused MoE, B=64, 8 adapters"
+    yield _at_most(name, 0.25, data["moe"]["ratio"]) if data else _missing(name, "≤ 0.25")
+    layers = f" [{data['layers']} layers]" if data else ""
+    for batch in (1, 64, 256):
+        name = f"decode tok/s with 32 r16 adapters ÷ no LoRA, B={batch}{layers}"
+        row = next((r for r in data["decode"] if r["batch"] == batch), None) if data else None
+        if row is None:
+            yield _missing(name, "≥ 0.9")
+        else:
+            yield _at_least(name, 0.90, row["base_us"] / row["lora_us"])
+
+
+def slot_load_lines(results: Path) -> Iterator[Line]:
+    data = _load(results / "lora_slot_load.json")
+    if data is None:
+        yield _missing("host → GPU slot load, rank 16 (ms)", "≤ 5")
+        return
+    for row in data["rows"]:
+        if row["pool_rank"] == 16:
+            name = f"host → GPU slot load, r16, {row['scenario']} (ms)"
+            yield _at_most(name, 5.0, row["load_ms_median"])
+
+
+def serving_lines(results: Path) -> Iterator[Line]:
+    for rank in (16, 64):
+        data = _load(results / f"serve_offline_r{rank}.json")
+        name = f"offline tok/s N=32 uniform ÷ no LoRA, rank {rank}"
+        name_1000 = f"offline tok/s N=1000 zipf ÷ N=8 zipf, rank {rank}"
+        if data is None or "ratios" not in data:
+            yield _missing(name, "≥ 0.9")
+            yield _missing(name_1000, "≥ 0.95")
+            continue
+        layers = "" if data["meta"]["full_model"] else f" [{data['meta']['layers']} layers]"
+        yield _at_least(name + layers, 0.90, data["ratios"]["n32_uniform_vs_no_lora"])
+        yield _at_least(name_1000 + layers, 0.95, data["ratios"]["n1000_zipf_vs_n8_zipf"])
+    data = _load(results / "serve_online.json")
+    for kind in ("host-cold", "file-cold"):
+        name = f"TTFT added by a {kind} adapter, p50 (ms)"
+        if data is None or "cold" not in data:
+            yield _missing(name, "≤ 100")
+            continue
+        yield _at_most(name, 100.0, data["cold"]["ttft_added"][kind]["p50_ms"])
+
+
+def cold_path_lines(cold_file: Path, results: Path) -> Iterator[Line]:
+    """S3 → host (CPU machine) and the whole cold TTFT it implies with the GPU's host-cold
+    figure: both measured, on different machines, so the sum is an estimate."""
+    cold = _load(cold_file)
+    online = _load(results / "serve_online.json")
+    if cold is None:
+        yield _missing("S3 → host of a rank-16 V2-Lite adapter, p50 (ms)", "-")
+        return
+    for source, stats in cold["stats"].items():
+        yield Line(
+            f"{source} → host p50 / p99 (ms, CPU machine)",
+            "-",
+            f"{stats['p50_ms']:.0f} / {stats['p99_ms']:.0f}",
+            None,
+        )
+    if online and "cold" in online:
+        s3 = min(s["p50_ms"] for name, s in cold["stats"].items() if name.startswith("s3"))
+        added = s3 + online["cold"]["ttft_added"]["host-cold"]["p50_ms"]
+        yield _at_most("TTFT added by a cold adapter from S3, p50 estimate (ms)", 100.0, added)
+
+
+def lines(results: Path, cold_file: Path) -> list[Line]:
+    return [
+        *sgmv_lines(results),
+        *decode_lines(results),
+        *slot_load_lines(results),
+        *serving_lines(results),
+        *cold_path_lines(cold_file, results),
+    ]
+
+
+def render(rows: list[Line]) -> str:
+    width = max(len(r.target) for r in rows)
+    out = [f"{'target':{width}s}  {'goal':>8s}  {'measured':>12s}  met"]
+    out += [f"{r.target:{width}s}  {r.goal:>8s}  {r.measured:>12s}  {r.verdict}" for r in rows]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, nargs="?", default=Path("bench/results/latest"))
+    parser.add_argument("--cold", type=Path, default=Path("docs/bench/serve_cold_path.json"))
+    args = parser.parse_args(argv)
+    print(render(lines(args.results, args.cold)))
+
+
+if __name__ == "__main__":
+    main()

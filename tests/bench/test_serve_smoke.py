@@ -1,0 +1,56 @@
+"""The serving benchmarks' whole setup and measuring path at tiny shapes on the CPU
+(`--smoke`), and the summary table reading what they wrote: the GPU run must not be the
+first time this code runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import serve_cold_path, serve_offline, serve_online, summary
+
+
+def test_serve_offline_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "serve_offline_r16.json"
+    serve_offline.main(["--out", str(out), "--smoke"])
+    results = json.loads(out.read_text())
+    rows = {row["scenario"]: row for row in results["rows"]}
+    assert set(rows) == {"no LoRA", "N=8 zipf", "N=2 uniform"}
+    for row in rows.values():
+        assert row["valid"], row
+        assert row["output_tokens"] == row["requests"] * results["meta"]["output_len"]
+    # More adapters than the 2 slots: they cycled host cache → slots.
+    assert rows["N=8 zipf"]["distinct_used"] > results["meta"]["gpu_slots"]
+    assert rows["N=8 zipf"]["slot_loads"] >= rows["N=8 zipf"]["distinct_used"]
+    assert rows["no LoRA"]["slot_loads"] == 0
+    assert results["ratios"]["vs_no_lora"]["N=8 zipf"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_serve_online_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "serve_online.json"
+    serve_online.main(["--out", str(out), "--smoke"])
+    results = json.loads(out.read_text())
+    assert {(run["mode"], run["rate"]) for run in results["runs"]} == {
+        ("base", 2.0),
+        ("lora", 2.0),
+    }
+    for run in results["runs"]:
+        assert run["completed"] == run["requests"] and run["failed"] == 0
+    cold = results["cold"]
+    assert cold["probes_failed"] == 0
+    for kind in ("warm", "host-cold", "file-cold"):
+        assert cold["ttft"][kind]["n"] == 1 and cold["ttft"][kind]["p50_ms"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_serve_cold_path_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "cold.json"
+    serve_cold_path.main(["--out", str(out), "--smoke"])
+    results = json.loads(out.read_text())
+    assert set(results["stats"]) == {"s3 x8", "s3 x16", "store FetchAdapter"}
+    for stats in results["stats"].values():
+        assert stats["n"] == 2 and stats["p50_ms"] > 0
+    table = summary.render(summary.lines(tmp_path, out))
+    assert "store FetchAdapter → host" in table
+    assert "not run" in table  # no GPU results in this folder: shown as such, never made up
