@@ -40,6 +40,7 @@ from inference_svc.engine.sequence import (
     OutputSink,
     Sequence,
 )
+from inference_svc.lora.packing import SlotPacking
 from inference_svc.lora.pool import GIB
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.config import parse_config
@@ -199,14 +200,20 @@ class AdapterLibrary:
         manifest = Manifest.from_json((folder / "manifest.json").read_bytes())
         return CanonicalAdapter(manifest, load_file(folder / "weights.safetensors"))
 
-    def _pinned_set(self, index: int) -> CanonicalAdapter:
-        """Weight set `index` read once into (pinned) host memory in the pool's dtype."""
+    def _pinned_set(self, index: int, packing: SlotPacking | None) -> CanonicalAdapter:
+        """Weight set `index` read once into (pinned) host memory in the pool's dtype, packed
+        in the pool's layout when the host cache packs (as the engine's does)."""
         if index not in self._pinned:
             adapter = self.read(f"set-{index}")
             tensors = {n: t.to(self.dtype).contiguous() for n, t in adapter.tensors.items()}
-            if self.pin:
-                tensors = {n: t.pin_memory() for n, t in tensors.items()}
-            self._pinned[index] = CanonicalAdapter(adapter.manifest, tensors)
+            adapter = CanonicalAdapter(adapter.manifest, tensors)
+            if packing is not None:
+                adapter = packing.pack(adapter, pin=self.pin)
+            elif self.pin:
+                adapter = CanonicalAdapter(
+                    adapter.manifest, {n: t.pin_memory() for n, t in tensors.items()}
+                )
+            self._pinned[index] = adapter
         return self._pinned[index]
 
     def preload(self, engine: LLMEngine, names: list[str]) -> None:
@@ -215,9 +222,9 @@ class AdapterLibrary:
         residency = engine.scheduler.residency
         for name in names:
             binding = self.binding(name)
-            shared = self._pinned_set(self.weight_set(name))
+            shared = self._pinned_set(self.weight_set(name), residency.host_cache.packing)
             residency.pool.check_compatible(shared)
-            entry = CanonicalAdapter(replace(shared.manifest), dict(shared.tensors))
+            entry = replace(shared, manifest=replace(shared.manifest))
             stored = residency.host_cache.insert(binding.key, entry)
             residency.host_cache.release(binding.key)
             residency.bindings[binding.key] = binding

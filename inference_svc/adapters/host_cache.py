@@ -190,8 +190,17 @@ class HostAdapterCache:
     def _remove(self, key: HostKey) -> None:
         self._bytes -= self._entries.pop(key).size_bytes
 
+    def _already_packed(self, adapter: CanonicalAdapter) -> bool:
+        return (
+            isinstance(adapter, PackedAdapter)
+            and adapter.packing is self.packing
+            and (not self.config.pins or adapter.flat.is_pinned())
+        )
+
     def _to_host(self, adapter: CanonicalAdapter) -> CanonicalAdapter:
         if self.packing is not None:
+            if self._already_packed(adapter):
+                return adapter  # in this pool's layout already (a shared weight set): no copy
             return self.packing.pack(adapter, pin=self.config.pins)
         dtype, pin = self.config.dtype, self.config.pins
         tensors = {}
