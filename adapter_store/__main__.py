@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--max-rank", type=int, default=256, help="largest adapter rank accepted")
     add_flag(
         serve,
+        "--max-canonical-mb",
+        type=int,
+        default=8192,
+        help="largest canonical adapter assembled (float32, zero padding included)",
+    )
+    add_flag(
+        serve,
         "--tenant-max-adapters",
         type=int,
         default=0,
@@ -125,6 +132,7 @@ async def _serve(args: argparse.Namespace) -> None:
         log.info("metrics on port %d", args.metrics_port)
     config = StoreConfig(
         max_rank=args.max_rank,
+        max_canonical_bytes=args.max_canonical_mb * MiB,
         limits=UploadLimits(
             max_total_bytes=args.max_upload_mb * MiB, max_files=args.max_upload_files
         ),

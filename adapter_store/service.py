@@ -66,12 +66,14 @@ _NAME_BATCH = 100
 class StoreConfig:
     max_rank: int = 256
     limits: UploadLimits = field(default_factory=UploadLimits)
+    # Largest canonical adapter assembled (float32, before conversion to the stored dtype).
+    max_canonical_bytes: int = 8192 * MiB
     fetch_chunk_bytes: int = 1 * MiB
     max_fetch_chunk_bytes: int = 16 * MiB
 
     def __post_init__(self) -> None:
-        if self.max_rank <= 0:
-            raise ValueError("max_rank must be positive")
+        if self.max_rank <= 0 or self.max_canonical_bytes <= 0:
+            raise ValueError("max_rank and max_canonical_bytes must be positive")
         if not 0 < self.fetch_chunk_bytes <= self.max_fetch_chunk_bytes:
             raise ValueError("fetch chunk size must be positive and at most the maximum")
 
@@ -156,6 +158,8 @@ class AdapterStoreService:
             config = json.loads(config_json)
         except ValueError as error:
             raise InvalidArgument(f"config_json is not valid JSON: {error}") from None
+        except RecursionError:
+            raise InvalidArgument("config_json is nested too deeply to be an HF config") from None
         if not isinstance(config, dict):
             raise InvalidArgument("config_json must be a JSON object (an HF config.json)")
         shapes = model_lora_shapes(config)
@@ -220,6 +224,7 @@ class AdapterStoreService:
             base_model=base.name,
             max_rank=self.config.max_rank,
             dtype=spec.dtype or None,
+            max_canonical_bytes=self.config.max_canonical_bytes,
         )
         weights, manifest_json = await asyncio.to_thread(serialize, canonical)
         version = await self.metadata.allocate_version(principal.tenant, spec.name)
