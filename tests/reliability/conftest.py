@@ -22,7 +22,10 @@ from tests.store.conftest import (  # noqa: F401 - fixtures shared with the stor
     BASE_MODEL,
     fetch_all,
     peft_dirs,
+    registered,
     s3_bucket,
+    store,
+    stub,
     tiny_config_json,
     upload_requests,
 )
@@ -89,20 +92,20 @@ def stub_of(channel: grpc.Channel) -> adapter_store_pb2_grpc.AdapterStoreStub:
     return adapter_store_pb2_grpc.AdapterStoreStub(channel)
 
 
-def register(stub, config_json: str, metadata=()) -> None:
-    stub.RegisterBaseModel(
+def register(client, config_json: str, metadata=()) -> None:
+    client.RegisterBaseModel(
         pb.RegisterBaseModelRequest(name=BASE_MODEL, config_json=config_json),
         timeout=30,
         metadata=metadata,
     )
 
 
-def list_all(stub, metadata=()) -> dict[tuple[str, int], pb.Adapter]:
+def list_all(client, metadata=()) -> dict[tuple[str, int], pb.Adapter]:
     """Every listed version, following the pages: (name, version) -> adapter."""
     found: dict[tuple[str, int], pb.Adapter] = {}
     token = ""
     while True:
-        reply = stub.ListAdapters(
+        reply = client.ListAdapters(
             pb.ListAdaptersRequest(all_versions=True, page_token=token, page_size=100),
             timeout=20,
             metadata=metadata,
@@ -143,11 +146,11 @@ class Ledger:
             assert failure.code == grpc.StatusCode.UNAVAILABLE, failure
             assert any(name in failure.details for name in dependencies), failure
 
-    def verify(self, stub, *, exact: bool) -> int:
+    def verify(self, client, *, exact: bool) -> int:
         """Everything acknowledged is listed, gettable and fetches with its sha256; every
         listed version is whole. `exact`: nothing unacknowledged is listed. Returns the
         number of listed versions the store committed but whose reply was lost."""
-        listed = list_all(stub)
+        listed = list_all(client)
         for key, sha in self.acknowledged.items():
             assert key in listed, f"acknowledged {key} is not listed"
             assert listed[key].sha256 == sha, f"{key}: sha256 changed"
@@ -155,8 +158,8 @@ class Ledger:
         assert not (exact and extras), f"listed but never acknowledged: {sorted(extras)}"
         for (name, version), adapter in listed.items():
             ref = f"{name}@{version}"
-            assert stub.GetAdapter(pb.GetAdapterRequest(ref=ref), timeout=20) == adapter
-            _, manifest_json, weights = fetch_all(stub, ref)
+            assert client.GetAdapter(pb.GetAdapterRequest(ref=ref), timeout=20) == adapter
+            _, manifest_json, weights = fetch_all(client, ref)
             assert hashlib.sha256(weights).hexdigest() == adapter.sha256, ref
             assert len(weights) == adapter.size_bytes, ref
             assert json.loads(manifest_json)["sha256"] == adapter.sha256, ref
