@@ -24,10 +24,12 @@ from adapter_store.maintenance import (
 from adapter_store.metrics import MetricsInterceptor, StoreMetrics
 from adapter_store.rpc.server import configure_logging, serve_forever
 from adapter_store.rpc.settings import add_flag
+from adapter_store.rpc.tls import add_tls_server_flags, server_credentials
 from adapter_store.service import AdapterStoreService, StoreConfig
 from adapter_store.servicer import SERVICE_NAME, AdapterStoreServicer
 from adapter_store.storage.metadata import MetadataConfig, MetadataStore
 from adapter_store.storage.objects import ObjectStore, ObjectStoreConfig
+from adapter_store.tenant_limits import TenantLimits
 from adapter_store.upload import UploadLimits
 from protos import adapter_store_pb2_grpc
 
@@ -54,6 +56,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--max-upload-mb", type=int, default=4096, help="largest upload accepted")
     add_flag(serve, "--max-upload-files", type=int, default=16, help="most files per upload")
     add_flag(serve, "--max-rank", type=int, default=256, help="largest adapter rank accepted")
+    add_flag(
+        serve,
+        "--max-canonical-mb",
+        type=int,
+        default=8192,
+        help="largest canonical adapter assembled (float32, zero padding included)",
+    )
+    add_flag(
+        serve,
+        "--tenant-max-adapters",
+        type=int,
+        default=0,
+        help="adapter versions a tenant may store, unless its key says otherwise (0: no limit)",
+    )
+    add_flag(
+        serve,
+        "--tenant-max-concurrent",
+        type=int,
+        default=0,
+        help="a tenant's RPCs in flight on this server, unless its key says so (0: no limit)",
+    )
+    add_tls_server_flags(serve)
     add_flag(
         serve,
         "--index-check-s",
@@ -83,18 +107,21 @@ def _backends(args: argparse.Namespace) -> tuple[ObjectStore, MetadataStore]:
 
 
 def _authenticator(args: argparse.Namespace) -> Authenticator:
+    limits = TenantLimits(args.tenant_max_adapters, args.tenant_max_concurrent)
     principals: dict[str, Principal] = {}
     if args.api_keys_file:
         path = Path(args.api_keys_file)
-        principals |= parse_api_keys(path.read_text(), str(path))
+        principals |= parse_api_keys(path.read_text(), str(path), limits)
     if args.api_keys:
-        principals |= parse_api_keys(args.api_keys, "LORASERVE_API_KEYS / --api-keys")
-    return Authenticator(principals)
+        principals |= parse_api_keys(args.api_keys, "LORASERVE_API_KEYS / --api-keys", limits)
+    return Authenticator(principals, anonymous_limits=limits)
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    credentials = server_credentials(args.tls_cert, args.tls_key)
     objects, metadata = _backends(args)
     auth = _authenticator(args)
+    log.info("TLS is %s", "on" if credentials is not None else "off (plain TCP)")
     if auth.enabled:
         log.info("auth is on: every RPC needs 'authorization: Bearer <api key>'")
     else:
@@ -105,6 +132,7 @@ async def _serve(args: argparse.Namespace) -> None:
         log.info("metrics on port %d", args.metrics_port)
     config = StoreConfig(
         max_rank=args.max_rank,
+        max_canonical_bytes=args.max_canonical_mb * MiB,
         limits=UploadLimits(
             max_total_bytes=args.max_upload_mb * MiB, max_files=args.max_upload_files
         ),
@@ -124,6 +152,7 @@ async def _serve(args: argparse.Namespace) -> None:
         ),
         interceptors=[MetricsInterceptor(metrics)],
         on_shutdown=shutdown,
+        credentials=credentials,
     )
 
 

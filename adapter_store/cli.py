@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loractl", description=__doc__.split("\n\n")[0])
     add_flag(parser, "--store", default="127.0.0.1:50051", help="adapter store HOST:PORT")
     add_flag(parser, "--api-key", default=None, help="API key (sent as a bearer token)")
+    add_flag(parser, "--tls-ca", default=None, help="PEM CA to trust (TLS); none: plain TCP")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -168,7 +169,7 @@ def _config_text(path: Path) -> str:
 
 
 async def _run(args: argparse.Namespace) -> None:
-    async with StoreClient(args.store, api_key=args.api_key) as store:
+    async with StoreClient(args.store, api_key=args.api_key, tls_ca=args.tls_ca) as store:
         if args.command == "base-model":
             if args.base_command == "register":
                 models = [await store.register_base_model(args.name, _config_text(args.config))]

@@ -11,9 +11,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from adapter_store.errors import DataLoss
+from adapter_store.rpc.tls import aio_channel
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc
 
@@ -31,11 +30,21 @@ class FetchedAdapter:
 
 
 class StoreClient:
-    """`async with StoreClient("host:port", api_key=...) as store: ...`"""
+    """`async with StoreClient("host:port", api_key=...) as store: ...`
 
-    def __init__(self, address: str, api_key: str | None = None, timeout_s: float = 60.0) -> None:
-        self._channel = grpc.aio.insecure_channel(
+    `tls_ca`: PEM of the CA (or self-signed certificate) to trust; None for plain TCP.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        tls_ca: str | Path | None = None,
+    ) -> None:
+        self._channel = aio_channel(
             address,
+            tls_ca,
             options=[
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),

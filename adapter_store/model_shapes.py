@@ -83,12 +83,21 @@ def text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
     return nested if isinstance(nested, Mapping) else hf_config
 
 
+# Far above any released model (DeepSeek-V3: 61 layers, 256 experts, widths ≤ 18432), low
+# enough that a config claiming more cannot make the store allocate without bound.
+_MAX_COUNT = {"num_hidden_layers": 4096, "n_routed_experts": 16384, "num_attention_heads": 4096}
+_MAX_WIDTH = 1 << 18
+
+
 def _require(config: Mapping[str, Any], key: str) -> int:
     value = config.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise InvalidArgument(
             f"base model config: {key!r} must be a positive integer, got {value!r}"
         )
+    limit = _MAX_COUNT.get(key, _MAX_WIDTH)
+    if value > limit:
+        raise InvalidArgument(f"base model config: {key!r} = {value} is above the limit {limit}")
     return value
 
 
@@ -117,7 +126,7 @@ def moe_layers(hf_config: Mapping[str, Any]) -> tuple[int, ...]:
     if not config.get("n_routed_experts"):
         return ()
     first_dense = _family_default(config, "first_k_dense_replace", 0)
-    freq = config.get("moe_layer_freq") or 1
+    freq = _require(config, "moe_layer_freq") if config.get("moe_layer_freq") else 1
     return tuple(layer for layer in range(first_dense, num_layers) if layer % freq == 0)
 
 

@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from adapter_store.auth import Principal
-from adapter_store.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from adapter_store.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from adapter_store.format import CANONICAL_MODULES, model_lora_shapes, serialize
 from adapter_store.maintenance import remove_version
 from adapter_store.names import check_labels, check_name, parse_ref
@@ -60,12 +66,14 @@ _NAME_BATCH = 100
 class StoreConfig:
     max_rank: int = 256
     limits: UploadLimits = field(default_factory=UploadLimits)
+    # Largest canonical adapter assembled (float32, before conversion to the stored dtype).
+    max_canonical_bytes: int = 8192 * MiB
     fetch_chunk_bytes: int = 1 * MiB
     max_fetch_chunk_bytes: int = 16 * MiB
 
     def __post_init__(self) -> None:
-        if self.max_rank <= 0:
-            raise ValueError("max_rank must be positive")
+        if self.max_rank <= 0 or self.max_canonical_bytes <= 0:
+            raise ValueError("max_rank and max_canonical_bytes must be positive")
         if not 0 < self.fetch_chunk_bytes <= self.max_fetch_chunk_bytes:
             raise ValueError("fetch chunk size must be positive and at most the maximum")
 
@@ -150,6 +158,8 @@ class AdapterStoreService:
             config = json.loads(config_json)
         except ValueError as error:
             raise InvalidArgument(f"config_json is not valid JSON: {error}") from None
+        except RecursionError:
+            raise InvalidArgument("config_json is nested too deeply to be an HF config") from None
         if not isinstance(config, dict):
             raise InvalidArgument("config_json must be a JSON object (an HF config.json)")
         shapes = model_lora_shapes(config)
@@ -205,6 +215,8 @@ class AdapterStoreService:
     ) -> AdapterRecord:
         """Validate, normalize and commit one new version of `spec.name`."""
         base = await self.get_base_model(principal, spec.base_model)
+        # Checked again atomically at the commit; this early check spares the work.
+        await self._check_room(principal)
         canonical = await asyncio.to_thread(
             normalize_peft,
             files,
@@ -212,6 +224,7 @@ class AdapterStoreService:
             base_model=base.name,
             max_rank=self.config.max_rank,
             dtype=spec.dtype or None,
+            max_canonical_bytes=self.config.max_canonical_bytes,
         )
         weights, manifest_json = await asyncio.to_thread(serialize, canonical)
         version = await self.metadata.allocate_version(principal.tenant, spec.name)
@@ -234,17 +247,28 @@ class AdapterStoreService:
             description=spec.description,
             labels=dict(spec.labels),
         )
-        await _shielded(self._commit(record, weights, manifest_json))
+        await _shielded(self._commit(record, weights, manifest_json, principal.limits.max_adapters))
         log.info("published %s/%s (%d bytes)", record.tenant, record.ref, record.size_bytes)
         return record
 
-    async def _commit(self, record: AdapterRecord, weights: bytes, manifest_json: bytes) -> None:
+    async def _check_room(self, principal: Principal) -> None:
+        limit = principal.limits.max_adapters
+        if limit and await self.metadata.stored_count(principal.tenant) >= limit:
+            raise _too_many_adapters(principal.tenant, limit)
+
+    async def _commit(
+        self, record: AdapterRecord, weights: bytes, manifest_json: bytes, max_stored: int
+    ) -> None:
         prefix = record.storage_prefix
         await asyncio.gather(
             self.objects.put(prefix + WEIGHTS_FILE, weights),
             self.objects.put(prefix + MANIFEST_FILE, manifest_json),
         )
-        await self.metadata.commit_adapter(record)
+        if not await self.metadata.commit_adapter(record, max_stored):
+            # Lost a race for the tenant's last place: nothing was indexed, drop the objects
+            # (gc would remove them too).
+            await remove_version(self.objects, prefix)
+            raise _too_many_adapters(record.tenant, max_stored)
         try:
             await self.objects.put(prefix + RECORD_FILE, record.to_json())
         except Unavailable as error:
@@ -351,6 +375,13 @@ class AdapterStoreService:
             record.storage_prefix + WEIGHTS_FILE, chunk_bytes or self.config.fetch_chunk_bytes
         )
         return AdapterDownload(record, manifest_json, chunks)
+
+
+def _too_many_adapters(tenant: str, limit: int) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"tenant {tenant!r} already stores {limit} adapter versions (its limit); "
+        "delete old versions to upload new ones"
+    )
 
 
 def _same_base_model(existing: BaseModelRecord, requested: BaseModelRecord) -> BaseModelRecord:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
 from adapter_store.auth import Authenticator, Principal
 from adapter_store.errors import InvalidArgument, LoraserveError
@@ -11,6 +12,7 @@ from adapter_store.metrics import StoreMetrics
 from adapter_store.records import AdapterRecord, BaseModelRecord
 from adapter_store.rpc.handlers import rpc_method
 from adapter_store.service import AdapterQuery, AdapterStoreService
+from adapter_store.tenant_limits import ConcurrencyGate
 from adapter_store.upload import FilePiece, UploadSpec, collect_files
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc
@@ -66,51 +68,60 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         self._service = service
         self._auth = auth
         self._metrics = metrics
+        self._gate = ConcurrencyGate()
 
-    def _caller(self, context) -> Principal:
-        return self._auth.principal(context.invocation_metadata())
+    @contextmanager
+    def _caller(self, context) -> Iterator[Principal]:
+        """The authenticated caller, holding one of its tenant's concurrency places."""
+        principal = self._auth.principal(context.invocation_metadata())
+        with self._gate.admit(principal.tenant, principal.limits.max_concurrent):
+            yield principal
 
     @rpc_method
     async def RegisterBaseModel(self, request, context):  # noqa: N802 - gRPC name
-        record = await self._service.register_base_model(
-            self._caller(context), request.name, request.config_json
-        )
+        with self._caller(context) as caller:
+            record = await self._service.register_base_model(
+                caller, request.name, request.config_json
+            )
         return base_model_to_proto(record)
 
     @rpc_method
     async def GetBaseModel(self, request, context):  # noqa: N802
-        return base_model_to_proto(
-            await self._service.get_base_model(self._caller(context), request.name)
-        )
+        with self._caller(context) as caller:
+            return base_model_to_proto(await self._service.get_base_model(caller, request.name))
 
     @rpc_method
     async def ListBaseModels(self, request, context):  # noqa: N802
-        records = await self._service.list_base_models(self._caller(context))
+        with self._caller(context) as caller:
+            records = await self._service.list_base_models(caller)
         return pb.ListBaseModelsResponse(base_models=[base_model_to_proto(r) for r in records])
 
     @rpc_method
     async def UploadAdapter(self, request_iterator, context):  # noqa: N802
         try:
-            principal = self._caller(context)
-            first = await anext(aiter(request_iterator), None)
-            if first is None or first.WhichOneof("item") != "header":
-                raise InvalidArgument("an upload must start with its header message")
-            header = first.header
-            spec = UploadSpec(
-                name=header.name,
-                base_model=header.base_model,
-                description=header.description,
-                labels=dict(header.labels),
-                dtype=header.dtype,
-            )
-            files = await collect_files(self._pieces(request_iterator), self._service.config.limits)
-            record = await self._service.upload(principal, spec, files)
+            with self._caller(context) as caller:
+                record = await self._upload(caller, request_iterator)
         except LoraserveError as error:
             self._metrics.upload_failures.labels(error.code.name.lower()).inc()
             raise
         self._metrics.uploads.inc()
         self._metrics.stored_bytes.inc(record.size_bytes)
         return adapter_to_proto(record)
+
+    async def _upload(self, caller: Principal, request_iterator) -> AdapterRecord:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("item") != "header":
+            raise InvalidArgument("an upload must start with its header message")
+        header = first.header
+        spec = UploadSpec(
+            name=header.name,
+            base_model=header.base_model,
+            description=header.description,
+            labels=dict(header.labels),
+            dtype=header.dtype,
+        )
+        files = await collect_files(self._pieces(request_iterator), self._service.config.limits)
+        return await self._service.upload(caller, spec, files)
 
     async def _pieces(self, request_iterator) -> AsyncIterator[FilePiece]:
         async for request in request_iterator:
@@ -121,7 +132,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     @rpc_method
     async def GetAdapter(self, request, context):  # noqa: N802
-        return adapter_to_proto(await self._service.get_adapter(self._caller(context), request.ref))
+        with self._caller(context) as caller:
+            return adapter_to_proto(await self._service.get_adapter(caller, request.ref))
 
     @rpc_method
     async def ListAdapters(self, request, context):  # noqa: N802
@@ -132,7 +144,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             labels=dict(request.label),
             all_versions=request.all_versions,
         )
-        page = await self._service.list_adapters(self._caller(context), query)
+        with self._caller(context) as caller:
+            page = await self._service.list_adapters(caller, query)
         return pb.ListAdaptersResponse(
             adapters=[adapter_to_proto(r) for r in page.adapters],
             next_page_token=page.next_page_token,
@@ -140,22 +153,22 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     @rpc_method
     async def DeleteAdapter(self, request, context):  # noqa: N802
-        versions = await self._service.delete_adapter(self._caller(context), request.ref)
+        with self._caller(context) as caller:
+            versions = await self._service.delete_adapter(caller, request.ref)
         return pb.DeleteAdapterResponse(versions=versions)
 
     @rpc_method
     async def FetchAdapter(self, request, context):  # noqa: N802
-        download = await self._service.download(
-            self._caller(context), request.ref, request.chunk_size
-        )
-        total = download.record.size_bytes
-        yield pb.AdapterChunk(
-            adapter=adapter_to_proto(download.record),
-            manifest_json=download.manifest_json,
-            total_size=total,
-        )
-        offset = 0
-        async for data in download.chunks:
-            yield pb.AdapterChunk(data=data, offset=offset, total_size=total)
-            offset += len(data)
-            self._metrics.fetch_bytes.inc(len(data))
+        with self._caller(context) as caller:
+            download = await self._service.download(caller, request.ref, request.chunk_size)
+            total = download.record.size_bytes
+            yield pb.AdapterChunk(
+                adapter=adapter_to_proto(download.record),
+                manifest_json=download.manifest_json,
+                total_size=total,
+            )
+            offset = 0
+            async for data in download.chunks:
+                yield pb.AdapterChunk(data=data, offset=offset, total_size=total)
+                offset += len(data)
+                self._metrics.fetch_bytes.inc(len(data))

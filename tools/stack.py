@@ -163,15 +163,15 @@ def wait_tcp(port: int, process: Process, log: Path, timeout: float) -> None:
     raise TimeoutError(f"port {port} not ready after {timeout} s:\n{log_tail(log)}")
 
 
-def wait_healthy(address: str, timeout_s: float = 60.0) -> None:
-    """Block until `grpc.health.v1` at `address` answers SERVING."""
+def wait_healthy(address: str, timeout_s: float = 60.0, tls_ca: Path | None = None) -> None:
+    """Block until `grpc.health.v1` at `address` answers SERVING (over TLS with `tls_ca`)."""
     # Imported here: tests/conftest.py imports this module on the GPU image, which lacks
     # grpc health.
     from adapter_store.rpc.healthcheck import is_serving
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if is_serving(address, timeout_s=2.0):
+        if is_serving(address, timeout_s=2.0, tls_ca=None if tls_ca is None else str(tls_ca)):
             return
         time.sleep(0.2)
     raise TimeoutError(f"{address} not healthy after {timeout_s} s")
@@ -360,6 +360,7 @@ class ServiceProcess:
     port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
     detached: bool = False
+    tls_ca: Path | None = None  # the server serves TLS; health checks trust this CA
     process: Process | None = None
 
     @property
@@ -397,7 +398,11 @@ class ServiceProcess:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"{self.module} exited with {self.process.returncode}")
             try:
-                wait_healthy(self.address, min(2.0, max(0.1, deadline - time.monotonic())))
+                wait_healthy(
+                    self.address,
+                    min(2.0, max(0.1, deadline - time.monotonic())),
+                    tls_ca=self.tls_ca,
+                )
                 return
             except TimeoutError:
                 continue

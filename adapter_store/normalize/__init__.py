@@ -21,7 +21,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapter_store.errors import InvalidArgument
+import torch
+
+from adapter_store.errors import InvalidArgument, ResourceExhausted
 from adapter_store.format import (
     DTYPES,
     FORMAT_VERSION,
@@ -31,7 +33,7 @@ from adapter_store.format import (
     validate_tensors,
 )
 from adapter_store.model_shapes import text_config
-from adapter_store.normalize.assemble import assemble
+from adapter_store.normalize.assemble import assemble, float32_bytes_bound
 from adapter_store.normalize.pieces import build_pieces
 from adapter_store.normalize.settings import LoraSettings
 from adapter_store.normalize.upload import read_upload
@@ -46,6 +48,7 @@ def normalize_peft(
     base_model: str,
     max_rank: int,
     dtype: str | None = None,
+    max_canonical_bytes: int | None = None,
 ) -> CanonicalAdapter:
     """Normalize an uploaded PEFT LoRA folder (filename -> bytes) into the canonical layout.
 
@@ -67,6 +70,13 @@ def normalize_peft(
         raise InvalidArgument(
             f"{widest.source}: rank {rank} is above the maximum rank {max_rank} of this deployment"
         )
+    if max_canonical_bytes is not None:
+        needed = float32_bytes_bound(pieces, shapes, rank)
+        if needed > max_canonical_bytes:
+            raise ResourceExhausted(
+                f"the canonical adapter would take up to {needed} bytes (rank {rank}, zero "
+                f"padding included), above this deployment's limit of {max_canonical_bytes}"
+            )
     canonical = assemble(pieces, shapes, rank)
     manifest = Manifest(
         format_version=FORMAT_VERSION,
@@ -81,5 +91,13 @@ def normalize_peft(
         module_slices=canonical.module_slices,
     )
     tensors = {name: t.to(DTYPES[dtype]).contiguous() for name, t in canonical.tensors.items()}
+    for name, tensor in tensors.items():
+        # Finite inputs can still overflow: a huge lora_alpha folded into lora_B, or values
+        # past the range of the stored dtype (float16 ends at 65504).
+        if not torch.isfinite(tensor).all():
+            raise InvalidArgument(
+                f"{name}: not finite after folding the scaling into lora_B and converting to "
+                f"{dtype} (lora_alpha or the weights are too large)"
+            )
     validate_tensors(manifest, tensors)
     return CanonicalAdapter(manifest=manifest, tensors=tensors)

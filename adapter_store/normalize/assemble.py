@@ -34,6 +34,21 @@ def moe_layout_of(pieces: Sequence[LoraPiece]) -> str:
     return "shared_outer" if shared else "per_expert"
 
 
+def float32_bytes_bound(
+    pieces: Sequence[LoraPiece], shapes: Mapping[str, ModuleShape], rank: int
+) -> int:
+    """An upper bound of the bytes `assemble` allocates (float32, zeros included), known before
+    allocating: a tiny upload can claim one expert of a huge MoE, or a small rank padded to a
+    large one, so the canonical size is not bounded by the upload's size."""
+    total = 0
+    for layer, module in {(piece.layer, piece.target.module) for piece in pieces}:
+        shape = shape_at(shapes, layer, module)
+        assert shape is not None  # pieces only target modules the layer has
+        experts = shape.num_experts or 1
+        total += experts * rank * (shape.stack * shape.in_features + shape.out_features)
+    return 4 * total
+
+
 def assemble(
     pieces: Sequence[LoraPiece], shapes: Mapping[str, ModuleShape], rank: int
 ) -> CanonicalTensors:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import math
-import re
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+# `regex` rather than `re`: client patterns need a timeout (a pattern such as
+# `(.*.*.*.*.*)*z` backtracks for minutes under `re`, holding the GIL and freezing the store)
+# and `concurrent=True` releases the GIL while matching.
+import regex
 
 from adapter_store.errors import InvalidArgument
 
@@ -28,12 +33,27 @@ _UNSUPPORTED_FIELDS = {
 }
 # Initialisations that rewrite the base weights: the adapter only works on that rewritten base.
 _BASE_ALTERING_INITS = ("pissa", "corda", "olora", "loftq")
+# Wall time all of one adapter's rank/alpha pattern matching may take (real patterns: µs).
+PATTERN_BUDGET_S = 2.0
+MAX_PATTERN_LENGTH = 1024
 
 
-def _pattern_key(patterns: Mapping[str, Any], peft_key: str) -> str | None:
+def _pattern_key(patterns: Mapping[str, Any], peft_key: str, deadline: float) -> str | None:
     """PEFT's `get_pattern_key`: the first pattern that matches a dotted suffix of the key."""
     for pattern in patterns:
-        if re.match(rf"(.*\.)?({pattern})$", peft_key):
+        try:
+            found = regex.match(
+                rf"(.*\.)?({pattern})$",
+                peft_key,
+                timeout=max(deadline - time.monotonic(), 1e-3),
+                concurrent=True,
+            )
+        except TimeoutError:
+            raise InvalidArgument(
+                f"adapter_config.json: pattern {pattern[:80]!r} takes too long to match "
+                f"{peft_key!r} (catastrophic backtracking?); use plain module names"
+            ) from None
+        if found:
             return pattern
     return None
 
@@ -45,6 +65,8 @@ class LoraSettings:
     use_rslora: bool
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
+    # Pattern matching for this adapter must end by then (time.monotonic()).
+    match_deadline: float = field(default_factory=lambda: time.monotonic() + PATTERN_BUDGET_S)
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
@@ -56,13 +78,23 @@ class LoraSettings:
             ("alpha_pattern", self.alpha_pattern),
         ):
             for pattern, value in patterns.items():
+                if len(pattern) > MAX_PATTERN_LENGTH:
+                    raise InvalidArgument(
+                        f"adapter_config.json: {name} key {pattern[:80]!r}… is longer than "
+                        f"{MAX_PATTERN_LENGTH} characters"
+                    )
                 try:
-                    re.compile(pattern)
-                except re.error as exc:
+                    regex.compile(pattern)
+                except regex.error as exc:
                     raise InvalidArgument(
                         f"adapter_config.json: {name} key {pattern!r} is not a valid regex: {exc}"
                     ) from None
-                if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                if (
+                    not isinstance(value, int | float)
+                    or isinstance(value, bool)
+                    or not math.isfinite(value)
+                    or value <= 0
+                ):
                     raise InvalidArgument(
                         f"adapter_config.json: {name}[{pattern!r}] must be positive, got {value!r}"
                     )
@@ -74,8 +106,8 @@ class LoraSettings:
             raise InvalidArgument(
                 f"adapter_config.json: peft_type {peft_type!r} is not supported (LORA)"
             )
-        for field, what in _UNSUPPORTED_FIELDS.items():
-            if config.get(field):
+        for key, what in _UNSUPPORTED_FIELDS.items():
+            if config.get(key):
                 raise InvalidArgument(f"adapter_config.json: {what} is not supported")
         if config.get("bias", "none") != "none":
             raise InvalidArgument(
@@ -100,22 +132,32 @@ class LoraSettings:
             raise InvalidArgument(
                 f"adapter_config.json: lora_alpha must be a number, got {alpha!r}"
             )
+        if not math.isfinite(alpha):
+            raise InvalidArgument(f"adapter_config.json: lora_alpha must be finite, got {alpha!r}")
+        patterns = {}
+        for name in ("rank_pattern", "alpha_pattern"):
+            value = config.get(name) or {}
+            if not isinstance(value, dict):
+                raise InvalidArgument(
+                    f"adapter_config.json: {name} must be an object of pattern -> number, "
+                    f"got {type(value).__name__}"
+                )
+            patterns[name] = dict(value)
         return cls(
             r=config["r"],
             lora_alpha=alpha,
             use_rslora=bool(config.get("use_rslora", False)),
-            rank_pattern=dict(config.get("rank_pattern") or {}),
-            alpha_pattern=dict(config.get("alpha_pattern") or {}),
+            **patterns,
         )
 
     def rank_for(self, peft_key: str) -> int:
         """Rank PEFT gives the module/parameter `peft_key` ("model.layers.0.self_attn.o_proj")."""
-        pattern = _pattern_key(self.rank_pattern, peft_key)
+        pattern = _pattern_key(self.rank_pattern, peft_key, self.match_deadline)
         return self.r if pattern is None else self.rank_pattern[pattern]
 
     def scaling_for(self, peft_key: str) -> float:
         """PEFT's scaling: alpha / r (alpha / sqrt(r) with rslora), per-module patterns applied."""
-        pattern = _pattern_key(self.alpha_pattern, peft_key)
+        pattern = _pattern_key(self.alpha_pattern, peft_key, self.match_deadline)
         alpha = self.lora_alpha if pattern is None else self.alpha_pattern[pattern]
         rank = self.rank_for(peft_key)
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank

@@ -60,6 +60,8 @@ def _json_object(name: str, data: bytes) -> dict[str, Any]:
         value = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidArgument(f"{name} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidArgument(f"{name} is nested too deeply to be a PEFT file") from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"{name} must hold a JSON object, found {type(value).__name__}")
     return value

@@ -1,4 +1,5 @@
-"""`python -m adapter_store.rpc.healthcheck HOST:PORT`: exit 0 when the server is SERVING.
+"""`python -m adapter_store.rpc.healthcheck HOST:PORT [CA_PEM]`: exit 0 when the server is
+SERVING (CA_PEM: check over TLS, trusting that CA).
 
 Used by compose healthchecks (the images have no grpc_health_probe binary).
 """
@@ -10,9 +11,11 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from adapter_store.rpc.tls import sync_channel
 
-def is_serving(address: str, timeout_s: float = 3.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+
+def is_serving(address: str, timeout_s: float = 3.0, tls_ca: str | None = None) -> bool:
+    with sync_channel(address, tls_ca) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout_s
@@ -23,4 +26,4 @@ def is_serving(address: str, timeout_s: float = 3.0) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if is_serving(sys.argv[1]) else 1)
+    sys.exit(0 if is_serving(sys.argv[1], tls_ca=sys.argv[2] if len(sys.argv) > 2 else None) else 1)

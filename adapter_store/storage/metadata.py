@@ -12,6 +12,7 @@ Keys (tenant and name are validated, so they contain no ':'):
   loraserve:t:{tenant}:names               zset  adapter names (score 0: ordered by name)
   loraserve:t:{tenant}:a:{name}:versions   hash  version -> AdapterRecord JSON
   loraserve:t:{tenant}:a:{name}:counter    last version number handed out
+  loraserve:t:{tenant}:stored              set of "name@version" indexed (the tenant's count)
 Events go to pub/sub channel `loraserve:events` and stream `loraserve:events:stream`.
 """
 
@@ -46,12 +47,28 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 return redis.call('INCR', KEYS[2])
 """
 
-# KEYS: versions, names, stream. ARGV: channel, name, then (version, event JSON) pairs.
+# KEYS: versions, names, tenants, stored, stream.
+# ARGV: version, record JSON, name, tenant, stored member, limit (0: none), channel, event.
+# Returns 0 (refused: the tenant is at its limit of stored versions) or 1.
+_COMMIT = f"""
+local limit = tonumber(ARGV[6])
+if limit > 0 and redis.call('SCARD', KEYS[4]) >= limit then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], 0, ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[4])
+redis.call('SADD', KEYS[4], ARGV[5])
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', '{EVENTS_STREAM_MAXLEN}', '*', 'event', ARGV[8])
+redis.call('PUBLISH', ARGV[7], ARGV[8])
+return 1
+"""
+
+# KEYS: versions, names, stream, stored. ARGV: channel, name, then (version, event JSON) pairs.
 _DELETE = f"""
 local deleted = {{}}
 for i = 3, #ARGV, 2 do
   if redis.call('HDEL', KEYS[1], ARGV[i]) == 1 then
     table.insert(deleted, ARGV[i])
+    redis.call('SREM', KEYS[4], ARGV[2] .. '@' .. ARGV[i])
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', '{EVENTS_STREAM_MAXLEN}', '*', 'event', ARGV[i + 1])
     redis.call('PUBLISH', ARGV[1], ARGV[i + 1])
   end
@@ -129,11 +146,16 @@ def _counter_key(tenant: str, name: str) -> str:
     return f"loraserve:t:{tenant}:a:{name}:counter"
 
 
+def _stored_key(tenant: str) -> str:
+    return f"loraserve:t:{tenant}:stored"
+
+
 def _index(pipe: Any, record: AdapterRecord) -> None:
     """Queue the writes that make `record` listed and gettable."""
     pipe.hset(_versions_key(record.tenant, record.name), str(record.version), record.to_json())
     pipe.zadd(_names_key(record.tenant), {record.name: 0})
     pipe.sadd(_TENANTS, record.tenant)
+    pipe.sadd(_stored_key(record.tenant), record.ref)
 
 
 class MetadataStore:
@@ -148,6 +170,7 @@ class MetadataStore:
             decode_responses=True,
         )
         self._allocate = self._redis.register_script(_ALLOCATE)
+        self._commit = self._redis.register_script(_COMMIT)
         self._delete = self._redis.register_script(_DELETE)
         self._raise_counter = self._redis.register_script(_RAISE_COUNTER)
 
@@ -196,14 +219,35 @@ class MetadataStore:
         return None if version < 0 else version
 
     @_redis_errors_unavailable
-    async def commit_adapter(self, record: AdapterRecord) -> None:
-        """Make `record` visible and announce it, in one transaction."""
-        event = AdapterEvent.of("published", record).to_json()
-        async with self._redis.pipeline(transaction=True) as pipe:
-            _index(pipe, record)
-            pipe.xadd(EVENTS_STREAM, {"event": event}, maxlen=EVENTS_STREAM_MAXLEN)
-            pipe.publish(EVENTS_CHANNEL, event)
-            await pipe.execute()
+    async def commit_adapter(self, record: AdapterRecord, max_stored: int = 0) -> bool:
+        """Make `record` visible and announce it, in one transaction; False (nothing
+        written) when its tenant already has `max_stored` versions indexed (0: no limit)."""
+        tenant = record.tenant
+        committed = await self._commit(
+            keys=[
+                _versions_key(tenant, record.name),
+                _names_key(tenant),
+                _TENANTS,
+                _stored_key(tenant),
+                EVENTS_STREAM,
+            ],
+            args=[
+                str(record.version),
+                record.to_json(),
+                record.name,
+                tenant,
+                record.ref,
+                max_stored,
+                EVENTS_CHANNEL,
+                AdapterEvent.of("published", record).to_json(),
+            ],
+        )
+        return bool(committed)
+
+    @_redis_errors_unavailable
+    async def stored_count(self, tenant: str) -> int:
+        """How many adapter versions of `tenant` are indexed."""
+        return int(await self._redis.scard(_stored_key(tenant)))
 
     @_redis_errors_unavailable
     async def delete_adapters(self, records: list[AdapterRecord]) -> list[int]:
@@ -215,9 +259,8 @@ class MetadataStore:
         argv: list[Any] = [EVENTS_CHANNEL, name]
         for record in records:
             argv += [str(record.version), AdapterEvent.of("deleted", record).to_json()]
-        deleted = await self._delete(
-            keys=[_versions_key(tenant, name), _names_key(tenant), EVENTS_STREAM], args=argv
-        )
+        keys = [_versions_key(tenant, name), _names_key(tenant), EVENTS_STREAM, _stored_key(tenant)]
+        deleted = await self._delete(keys=keys, args=argv)
         return sorted(int(version) for version in deleted)
 
     @_redis_errors_unavailable

@@ -119,7 +119,7 @@ def test_crash_before_redis_commit_leaves_only_garbage_that_gc_removes(
 ) -> None:
     kept = stub.UploadAdapter(upload_requests(peft_dirs[0], "kept"), timeout=60)
 
-    async def redis_dies(record) -> None:
+    async def redis_dies(record, max_stored: int = 0) -> bool:
         raise Unavailable("Redis is unavailable: simulated crash before the commit")
 
     monkeypatch.setattr(store.metadata, "commit_adapter", redis_dies)
