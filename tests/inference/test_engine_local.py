@@ -16,6 +16,7 @@ from adapter_store.normalize import normalize_peft
 from inference_svc.engine.sequence import AdapterBinding, GenerationParams, Sequence
 from inference_svc.model.tiny import EMBEDDED_ADAPTERS_DIR
 from inference_svc.runtime import Runtime, RuntimeConfig, build_runtime
+from tests.inference.bf16_replay import Schedule, StepShare
 from tests.inference.client import PROMPTS, load_peft_oracle
 
 ADAPTERS = ("docs-prose", "shouty", "unittest-style")
@@ -50,17 +51,22 @@ def make_runtime(device: str, dtype: str, cuda_graphs: bool = False) -> Runtime:
     return runtime
 
 
-def run(runtime: Runtime, cases: list[tuple[str, str]]) -> tuple[list[Sequence], dict]:
-    """Run all cases at once (greedy, prompt logprobs); returns the sequences and, per
-    request, every logits row the model produced for it, in position order."""
+def run(
+    runtime: Runtime, cases: list[tuple[str, str]]
+) -> tuple[list[Sequence], dict[str, list[torch.Tensor]], Schedule]:
+    """Run all cases at once (greedy, prompt logprobs); returns the sequences, per request
+    every logits row the model produced for it in position order, and each step's batch
+    composition."""
     engine, tokenizer = runtime.engine, runtime.tokenizer
     rows: dict[str, list[torch.Tensor]] = {}
+    steps: Schedule = []
     execute = engine.runner.execute
 
     def recording(input_ids, batch):
         logits = execute(input_ids, batch)
         for s, part in engine._split(pending, logits):  # the rows the engine will read
             rows.setdefault(s.seq.request_id, []).append(part.float().cpu())
+        steps.append([StepShare(s.seq.request_id, s.query_len, s.all_logits) for s in pending])
         return logits
 
     seqs = []
@@ -90,7 +96,7 @@ def run(runtime: Runtime, cases: list[tuple[str, str]]) -> tuple[list[Sequence],
     finally:
         engine.scheduler.schedule = original_schedule
         engine.runner.execute = execute
-    return seqs, rows
+    return seqs, rows, steps
 
 
 @torch.no_grad()
@@ -119,7 +125,7 @@ def oracle():
 
 
 def test_float32_cpu_engine_matches_peft(oracle) -> None:
-    seqs, rows = run(make_runtime("cpu", "float32"), CASES)
+    seqs, rows, _ = run(make_runtime("cpu", "float32"), CASES)
     for seq in seqs:
         assert len(seq.output_token_ids) == NEW_TOKENS
         assert max_kl_per_token(oracle, seq, rows[seq.request_id]) < 1e-6
@@ -135,7 +141,7 @@ def test_bfloat16_gpu_engine_kl_per_token(oracle) -> None:
 @pytest.mark.gpu
 def test_cuda_graph_decode_gives_eager_tokens() -> None:
     cases = CASES * 3
-    eager, _ = run(make_runtime("cuda", "bfloat16", cuda_graphs=False), cases)
-    graphed, _ = run(make_runtime("cuda", "bfloat16", cuda_graphs=True), cases)
+    eager, _, _ = run(make_runtime("cuda", "bfloat16", cuda_graphs=False), cases)
+    graphed, _, _ = run(make_runtime("cuda", "bfloat16", cuda_graphs=True), cases)
     for a, b in zip(eager, graphed, strict=True):
         assert a.output_token_ids == b.output_token_ids, a.request_id
