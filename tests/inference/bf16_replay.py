@@ -226,8 +226,12 @@ def check_replay_against_peft(
     """`check_seq_against_peft` for each request of a replay."""
     return {
         seq.request_id: check_seq_against_peft(
-            peft_model, seq, replayed.rows[seq.request_id].log_softmax(-1),
-            replayed.router_inputs[seq.request_id], runner, routing,
+            peft_model,
+            seq,
+            replayed.rows[seq.request_id].log_softmax(-1),
+            replayed.router_inputs[seq.request_id],
+            runner,
+            routing,
         )  # fmt: skip
         for seq in seqs
     }
