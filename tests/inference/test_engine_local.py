@@ -16,6 +16,13 @@ from adapter_store.normalize import normalize_peft
 from inference_svc.engine.sequence import AdapterBinding, GenerationParams, Sequence
 from inference_svc.model.tiny import EMBEDDED_ADAPTERS_DIR
 from inference_svc.runtime import Runtime, RuntimeConfig, build_runtime
+from tests.inference.bf16_replay import (
+    Schedule,
+    StepShare,
+    assert_replay_parity,
+    check_replay_against_peft,
+    replay,
+)
 from tests.inference.client import PROMPTS, load_peft_oracle
 
 ADAPTERS = ("docs-prose", "shouty", "unittest-style")
@@ -50,17 +57,22 @@ def make_runtime(device: str, dtype: str, cuda_graphs: bool = False) -> Runtime:
     return runtime
 
 
-def run(runtime: Runtime, cases: list[tuple[str, str]]) -> tuple[list[Sequence], dict]:
-    """Run all cases at once (greedy, prompt logprobs); returns the sequences and, per
-    request, every logits row the model produced for it, in position order."""
+def run(
+    runtime: Runtime, cases: list[tuple[str, str]]
+) -> tuple[list[Sequence], dict[str, list[torch.Tensor]], Schedule]:
+    """Run all cases at once (greedy, prompt logprobs); returns the sequences, per request
+    every logits row the model produced for it in position order, and each step's batch
+    composition."""
     engine, tokenizer = runtime.engine, runtime.tokenizer
     rows: dict[str, list[torch.Tensor]] = {}
+    steps: Schedule = []
     execute = engine.runner.execute
 
     def recording(input_ids, batch):
         logits = execute(input_ids, batch)
         for s, part in engine._split(pending, logits):  # the rows the engine will read
             rows.setdefault(s.seq.request_id, []).append(part.float().cpu())
+        steps.append([StepShare(s.seq.request_id, s.query_len, s.all_logits) for s in pending])
         return logits
 
     seqs = []
@@ -90,7 +102,7 @@ def run(runtime: Runtime, cases: list[tuple[str, str]]) -> tuple[list[Sequence],
     finally:
         engine.scheduler.schedule = original_schedule
         engine.runner.execute = execute
-    return seqs, rows
+    return seqs, rows, steps
 
 
 @torch.no_grad()
@@ -119,23 +131,65 @@ def oracle():
 
 
 def test_float32_cpu_engine_matches_peft(oracle) -> None:
-    seqs, rows = run(make_runtime("cpu", "float32"), CASES)
+    seqs, rows, _ = run(make_runtime("cpu", "float32"), CASES)
     for seq in seqs:
         assert len(seq.output_token_ids) == NEW_TOKENS
         assert max_kl_per_token(oracle, seq, rows[seq.request_id]) < 1e-6
 
 
-@pytest.mark.gpu
-def test_bfloat16_gpu_engine_kl_per_token(oracle) -> None:
-    seqs, rows = run(make_runtime("cuda", "bfloat16", cuda_graphs=True), CASES * 2)
+def replay_on_fresh_runtime(device: str, seqs: list[Sequence], schedule: Schedule) -> tuple:
+    """The engine's schedule on a second runtime of the same config (its own pool, with
+    the adapters loaded by hand into slots of our choosing): rows and router inputs."""
+    runtime = make_runtime(device, "bfloat16", cuda_graphs=device == "cuda")
+    runner = runtime.engine.runner
+    slots = {name: slot for slot, name in enumerate(ADAPTERS)}
+    for name, slot in slots.items():
+        runner.lora_pool.load(slot, runtime.residency.source.fetch(binding(name))).wait_on()
+    graphed = replay(runner, seqs, schedule, slots)  # the engine's dispatch (graphs on CUDA)
+    if device == "cuda":  # hooks do not fire in graph replays: record eagerly
+        runner.release_decode_graphs()
+        return runner, graphed, replay(runner, seqs, schedule, slots)
+    return runner, graphed, graphed
+
+
+# Same batch composition, same kernels: the CPU gives the engine's rows bit for bit. On the
+# GPU the LoRA kernels split K with fp32 atomics (summation order varies run to run), so a
+# row may differ in its last bits: 1e-2 abs logprob is ~100x that and far below what a
+# wrong token, position, page or slot does (> 0.1 on these adapters).
+ENGINE_VS_RUNNER_TOL = {"cpu": 0.0, "cuda": 1e-2}
+BF16_DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="unittest-style token 14: KL 3.3e-3 against the routing-matched oracle "
+            "with no flip there (peft itself in bf16: 1.2e-4); open, see the bf16 branch report",
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("device", BF16_DEVICES)
+def test_bfloat16_engine_equals_runner_and_peft_up_to_near_ties(oracle, device) -> None:
+    """(a) The engine adds no error: its rows equal the runner's on the same batch
+    composition. (b) The runner's bf16 rows meet KL ≤ 1e-3 on every token against the peft
+    fp32 oracle routed as we were at near-tie flips (tests/inference/bf16_replay.py)."""
+    seqs, rows, schedule = run(make_runtime(device, "bfloat16", cuda_graphs=True), CASES * 2)
+    runner, same_dispatch, eager = replay_on_fresh_runtime(device, seqs, schedule)
     for seq in seqs:
-        assert max_kl_per_token(oracle, seq, rows[seq.request_id]) <= 1e-3, seq.request_id
+        engine_rows = torch.cat(rows[seq.request_id]).log_softmax(-1)
+        ours = same_dispatch.rows[seq.request_id].log_softmax(-1)
+        diff = (engine_rows - ours).abs().max().item()
+        assert diff <= ENGINE_VS_RUNNER_TOL[device], (seq.request_id, diff)
+    routing = runner.model.layers[-1].moe.gate.routing
+    assert_replay_parity(check_replay_against_peft(eager, seqs, runner, oracle, routing))
 
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_gives_eager_tokens() -> None:
     cases = CASES * 3
-    eager, _ = run(make_runtime("cuda", "bfloat16", cuda_graphs=False), cases)
-    graphed, _ = run(make_runtime("cuda", "bfloat16", cuda_graphs=True), cases)
+    eager, _, _ = run(make_runtime("cuda", "bfloat16", cuda_graphs=False), cases)
+    graphed, _, _ = run(make_runtime("cuda", "bfloat16", cuda_graphs=True), cases)
     for a, b in zip(eager, graphed, strict=True):
         assert a.output_token_ids == b.output_token_ids, a.request_id

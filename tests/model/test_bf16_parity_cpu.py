@@ -20,8 +20,8 @@ def test_bf16_cpu_close_to_transformers_except_near_ties(spec, tiny_checkpoint):
     report = check_bf16_close_to_transformers(tiny_checkpoint(spec), "cpu")
     if spec == "v2_group_limited":
         # The known flips must be found as near-ties (else the excuse would be vacuous).
-        assert report["flipped"].nonzero().flatten().tolist() == [26, 29]
-        assert report["near_tie"][[26, 29]].all()
+        assert report.flipped.nonzero().flatten().tolist() == [26, 29]
+        assert report.near_tie[[26, 29]].all()
 
 
 def test_near_tie_detection_on_constructed_scores():
