@@ -162,8 +162,10 @@ BF16_DEVICES = [
         "cpu",
         marks=pytest.mark.xfail(
             strict=True,
-            reason="unittest-style token 14: KL 3.3e-3 against the routing-matched oracle "
-            "with no flip there (peft itself in bf16: 1.2e-4); open, see the bf16 branch report",
+            reason="unittest-style token 14: KL 3.3e-3 against the routing-matched oracle, "
+            "no flip. Not a bug: the per-token bound fails for 8/12 one-ulp re-roundings of "
+            "our run and 9/12 of peft's own bf16 run (tests/inference/bf16_spread.py); "
+            "the check needs a statistic robust to the rounding draw (lead's decision)",
         ),
     ),
     pytest.param("cuda", marks=pytest.mark.gpu),
