@@ -2,7 +2,7 @@
 store when it resolves and fetches adapters, so tenant B cannot generate with (or load)
 tenant A's adapter, and a caller without a known key is refused. Real store and inference
 processes; the replica fetches weights through the store (no S3 of its own), so the fetch
-is checked as the caller too."""
+is checked as the caller too. TLS on both servers with a self-signed certificate."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.reliability.inference_stack import (
     start_store,
     upload_embedded,
 )
-from tests.reliability.test_tenancy import KEY_A, KEY_B
+from tests.reliability.test_tenancy import KEY_A, KEY_B, self_signed_cert
 
 NOT_FOUND, UNAUTHENTICATED = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED
 
@@ -78,3 +78,28 @@ def _check_isolation(stub, tally) -> None:
     assert b_docs.token_ids != a_only.token_ids
     # The base model needs no adapter and so no store call.
     assert len(generate_as(stub, "", None).token_ids) == 6
+
+
+def test_tls_on_both_servers(tmp_path, redis_url, s3_server, s3_bucket, tally) -> None:
+    """Store and replica each serve TLS (self-signed); the replica trusts the store's
+    certificate through `--store-tls-ca`, clients trust the replica's."""
+    cert, key = self_signed_cert(tmp_path)
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
+    keys = ["--api-keys-file", str(keys_file(tmp_path))]
+    store = start_store(
+        tmp_path, redis_url, s3_server.endpoint_url, s3_bucket, *keys, *tls, tls_ca=cert
+    )
+    inference = inference_process(tmp_path, store, "--store-tls-ca", str(cert), *tls, tls_ca=cert)
+    try:
+        upload_embedded(store, {"a-only": "shouty"}, KEY_A, tls_ca=cert)
+        inference.start()
+        with channel_to(inference) as channel:
+            assert len(generate_as(inference_stub(channel), "a-only", KEY_A).token_ids) == 6
+        with grpc.insecure_channel(inference.address) as plain:
+            code, _ = failure_of(lambda: generate_as(inference_stub(plain), "a-only", KEY_A, 6, 5))
+            assert code == grpc.StatusCode.UNAVAILABLE
+        tally.add("inference: TLS generate (both hops) + plain-TCP refusal")
+    finally:
+        inference.stop()
+        store.stop()
+    assert "TLS is on" in inference.log_text()
