@@ -20,6 +20,10 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+def _bearer(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 @dataclass(frozen=True)
 class FetchedAdapter:
     """A verified canonical adapter: its record, manifest.json and weights.safetensors."""
@@ -51,7 +55,7 @@ class StoreClient:
             ],
         )
         self._stub = adapter_store_pb2_grpc.AdapterStoreStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._metadata = _bearer(api_key)
         self._timeout_s = timeout_s
 
     async def __aenter__(self) -> StoreClient:
@@ -63,8 +67,11 @@ class StoreClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    def _call_options(self) -> dict:
-        return {"metadata": self._metadata, "timeout": self._timeout_s}
+    def _call_options(self, caller_key: str | None = None) -> dict:
+        """`caller_key`: call as that key instead of the client's own (a service acting for
+        its caller forwards the caller's key)."""
+        metadata = self._metadata if caller_key is None else _bearer(caller_key)
+        return {"metadata": metadata, "timeout": self._timeout_s}
 
     async def register_base_model(self, name: str, config_json: str) -> pb.BaseModel:
         request = pb.RegisterBaseModelRequest(name=name, config_json=config_json)
@@ -78,9 +85,10 @@ class StoreClient:
         reply = await self._stub.ListBaseModels(pb.ListBaseModelsRequest(), **self._call_options())
         return list(reply.base_models)
 
-    async def get_adapter(self, ref: str) -> pb.Adapter:
+    async def get_adapter(self, ref: str, caller_key: str | None = None) -> pb.Adapter:
         """`ref` is "name" (latest) or "name@N"."""
-        return await self._stub.GetAdapter(pb.GetAdapterRequest(ref=ref), **self._call_options())
+        request = pb.GetAdapterRequest(ref=ref)
+        return await self._stub.GetAdapter(request, **self._call_options(caller_key))
 
     async def list_adapters(
         self,
@@ -113,10 +121,13 @@ class StoreClient:
         )
         return list(reply.versions)
 
-    async def fetch_adapter(self, ref: str, chunk_size: int = 0) -> FetchedAdapter:
+    async def fetch_adapter(
+        self, ref: str, chunk_size: int = 0, caller_key: str | None = None
+    ) -> FetchedAdapter:
         """Download the canonical adapter and verify its sha256 and size."""
         stream = self._stub.FetchAdapter(
-            pb.FetchAdapterRequest(ref=ref, chunk_size=chunk_size), **self._call_options()
+            pb.FetchAdapterRequest(ref=ref, chunk_size=chunk_size),
+            **self._call_options(caller_key),
         )
         adapter: pb.Adapter | None = None
         manifest_json = b""

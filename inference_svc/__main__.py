@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 
 from adapter_store.rpc.server import configure_logging, serve_forever
 from adapter_store.rpc.settings import add_flag
+from adapter_store.rpc.tls import add_tls_server_flags, server_credentials
 from inference_svc.adapters.s3_fetch import S3FetchConfig
 from inference_svc.app import AppConfig, InferenceApp
 from inference_svc.model.tiny import TINY_MODEL_NAME, model_folder
@@ -29,6 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the Inference gRPC server")
     add_flag(serve, "--port", type=int, default=50052, help="gRPC port")
     add_flag(serve, "--store", default="127.0.0.1:50051", help="adapter store HOST:PORT")
+    add_flag(
+        serve,
+        "--store-tls-ca",
+        default=None,
+        help="PEM CA (or self-signed cert) of a TLS store (empty: plain TCP to the store)",
+    )
+    add_tls_server_flags(serve)
     add_flag(serve, "--model", default=TINY_MODEL_NAME, help="HF model folder, or 'tiny'")
     add_flag(serve, "--device", default="cpu", choices=["cpu", "cuda"], help="device")
     add_flag(
@@ -96,6 +104,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
             max_queue=args.max_queue,
         ),
         store_address=args.store,
+        store_tls_ca=args.store_tls_ca or None,
         replica_id=args.replica_id or f"{host}-{args.port}",
         advertise_address=args.advertise_address or f"{host}:{args.port}",
         redis_url=args.redis_url or None,
@@ -108,6 +117,8 @@ def app_config(args: argparse.Namespace) -> AppConfig:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    credentials = server_credentials(args.tls_cert or None, args.tls_key or None)
+    log.info("TLS is %s", "on" if credentials is not None else "off (plain TCP)")
     app = InferenceApp(app_config(args))
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=app.metrics.registry)
@@ -120,6 +131,7 @@ async def _serve(args: argparse.Namespace) -> None:
             app.servicer, server
         ),
         on_shutdown=app.stop,
+        credentials=credentials,
     )
 
 

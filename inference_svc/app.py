@@ -35,6 +35,7 @@ class AppConfig:
     advertise_address: str  # where a router reaches this replica (published with residency)
     redis_url: str | None = None  # store events + residency records; None: neither
     s3: S3FetchConfig | None = None  # None: weights come through the store's FetchAdapter
+    store_tls_ca: str | None = None  # PEM to trust for a TLS store; None: plain TCP
     latest_ttl_s: float = 5.0  # how long `name` → version is trusted without events
     residency_ttl_s: float = 15.0
     residency_interval_s: float = 5.0
@@ -48,7 +49,8 @@ class InferenceApp:
     def __init__(self, config: AppConfig, metrics: InferenceMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or InferenceMetrics()
-        self.store = StoreClient(config.store_address)
+        # No key of its own: every store call carries its caller's key (adapters.caller).
+        self.store = StoreClient(config.store_address, tls_ca=config.store_tls_ca)
         self.runtime: Runtime
         self.loop: EngineLoop
         self.resolver: AdapterResolver

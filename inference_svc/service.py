@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from adapter_store.errors import InvalidArgument, LoraserveError
 from adapter_store.names import parse_ref
+from inference_svc.adapters.caller import ANONYMOUS, Caller
 from inference_svc.adapters.resolver import AdapterResolver
 from inference_svc.engine.engine import EngineStats, LLMEngine, LoadedAdapterInfo
 from inference_svc.engine.engine_loop import EngineLoop
@@ -40,6 +41,7 @@ class GenerateInput:
     prompt: str
     prompt_token_ids: list[int]  # used when not empty
     params: GenerationParams
+    caller: Caller = ANONYMOUS  # forwarded to the store when the adapter is resolved
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,11 @@ class InferenceService:
             ids = self._tokenizer.encode(request.prompt)
         if not ids:
             raise InvalidArgument("the prompt is empty (set prompt or prompt_token_ids)")
-        adapter = await self._resolver.resolve(request.adapter_ref) if request.adapter_ref else None
+        adapter = (
+            await self._resolver.resolve(request.adapter_ref, request.caller)
+            if request.adapter_ref
+            else None
+        )
         return PreparedRequest(request, ids, adapter)
 
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[SequenceOutput]:
@@ -155,9 +161,11 @@ class InferenceService:
 
     # -- adapter control ------------------------------------------------------------------
 
-    async def load_adapter(self, ref: str, pin: bool) -> tuple[LoadedAdapterInfo, float]:
+    async def load_adapter(
+        self, ref: str, pin: bool, caller: Caller = ANONYMOUS
+    ) -> tuple[LoadedAdapterInfo, float]:
         """Bring `ref` into a GPU slot (and pin it); returns where it is and the load ms."""
-        adapter = await self._resolver.resolve(ref)
+        adapter = await self._resolver.resolve(ref, caller)
         future: Future[float] = Future()
         ticket = PrefetchTicket(adapter, pin, future)
         await self._loop.run(lambda: self._engine.prefetch(ticket))
@@ -170,10 +178,10 @@ class InferenceService:
         info = next(a for a in loaded if (a.tenant, a.name, a.version) == adapter.key)
         return info, seconds * 1000.0
 
-    async def unload_adapter(self, ref: str) -> bool:
+    async def unload_adapter(self, ref: str, caller: Caller = ANONYMOUS) -> bool:
         """Unpin and drop `name@N`, or every version of `name`, from the GPU and host."""
         parsed = parse_ref(ref)
-        adapter = await self._resolver.resolve(ref)
+        adapter = await self._resolver.resolve(ref, caller)
 
         def unload() -> bool:
             keys = [

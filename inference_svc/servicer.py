@@ -8,6 +8,7 @@ import uuid
 
 from adapter_store.errors import InvalidArgument
 from adapter_store.rpc.handlers import rpc_method
+from inference_svc.adapters.caller import Caller
 from inference_svc.engine.engine import LoadedAdapterInfo
 from inference_svc.engine.sampling import SamplingParams
 from inference_svc.engine.sequence import FinishReason, GenerationParams, SequenceOutput
@@ -95,6 +96,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 prompt=request.prompt,
                 prompt_token_ids=list(request.prompt_token_ids),
                 params=generation_params(request),
+                caller=Caller.from_metadata(context.invocation_metadata()),
             )
         )
         first = True
@@ -112,14 +114,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def LoadAdapter(self, request, context):  # noqa: N802
         if not request.adapter:
             raise InvalidArgument("adapter: give the adapter ref to load (name or name@N)")
-        info, load_ms = await self._service.load_adapter(request.adapter, request.pin)
+        caller = Caller.from_metadata(context.invocation_metadata())
+        info, load_ms = await self._service.load_adapter(request.adapter, request.pin, caller)
         return pb.LoadAdapterResponse(adapter=loaded_adapter_to_proto(info), load_ms=load_ms)
 
     @rpc_method
     async def UnloadAdapter(self, request, context):  # noqa: N802
         if not request.adapter:
             raise InvalidArgument("adapter: give the adapter ref to unload (name or name@N)")
-        unloaded = await self._service.unload_adapter(request.adapter)
+        caller = Caller.from_metadata(context.invocation_metadata())
+        unloaded = await self._service.unload_adapter(request.adapter, caller)
         return pb.UnloadAdapterResponse(unloaded=unloaded)
 
     @rpc_method

@@ -11,8 +11,10 @@ Redis events.
   adapters this replica already knows, usually resident, are still served); without one
   the request gets UNAVAILABLE naming the store.
 
-The store is asked with the replica's own identity; forwarding each caller's identity (and
-keying the cache by it) is the tenancy issue's.
+The store is asked as the caller (`caller.Caller`: their bearer key is forwarded), so it
+decides the tenant. Entries are cached per (caller key hash, ref) and never answer another
+caller, so a tenant cannot reach another's adapter through this cache, not even the stale
+fallback while the store is down.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import grpc
 
 from adapter_store.errors import FailedPrecondition, InvalidArgument
 from adapter_store.names import parse_ref
+from inference_svc.adapters.caller import ANONYMOUS, Caller
 from inference_svc.adapters.store_errors import from_store_error, is_store_down
 from inference_svc.engine.sequence import AdapterBinding
 
@@ -42,7 +45,9 @@ _CLOSE_TIMEOUT_S = 1.0
 class AdapterLookup(Protocol):
     """The part of the store client the resolver uses."""
 
-    async def get_adapter(self, ref: str) -> Any: ...  # protos.adapter_store_pb2.Adapter
+    async def get_adapter(self, ref: str, caller_key: str | None = None) -> Any:
+        """protos.adapter_store_pb2.Adapter, asked as `caller_key` ("" = no key)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -71,33 +76,34 @@ class AdapterResolver:
     def __init__(self, config: ResolverConfig, store: AdapterLookup) -> None:
         self.config = config
         self._store = store
-        self._cache: dict[str, _Entry] = {}  # "name" or "name@N" -> entry
+        # (caller key hash, "name" or "name@N") -> entry
+        self._cache: dict[tuple[str, str], _Entry] = {}
         self._events_live = False
         self._task: asyncio.Task | None = None
         self.lookups = 0  # store calls made (tests check caching with it)
 
     # -- resolution -----------------------------------------------------------------------
 
-    async def resolve(self, ref: str) -> AdapterBinding:
-        """The version `ref` means now."""
+    async def resolve(self, ref: str, caller: Caller = ANONYMOUS) -> AdapterBinding:
+        """The version `ref` means now, to `caller`."""
         parsed = parse_ref(ref)
-        key = str(parsed)
+        key = (caller.key_hash, str(parsed))
         entry = self._cache.get(key)
         if entry is not None and self._fresh(entry):
             return entry.adapter
         try:
             self.lookups += 1
-            record = await self._store.get_adapter(str(parsed))
+            record = await self._store.get_adapter(str(parsed), caller_key=caller.api_key)
         except grpc.RpcError as error:
             if entry is not None and is_store_down(error):
                 log.warning("store unavailable; serving %s from the cached record", ref)
                 return entry.adapter
             raise from_store_error(error, self.config.store_address, f"adapter {ref!r}") from None
-        adapter = self._check(ref, record)
+        adapter = self._check(ref, record, caller)
         self._cache[key] = _Entry(adapter, time.monotonic(), parsed.version is not None)
         if parsed.version is None:
-            # The same record also answers `name@N` from now on.
-            self._cache[adapter.label] = _Entry(adapter, time.monotonic(), True)
+            # The same record also answers `name@N` (to the same caller) from now on.
+            self._cache[(caller.key_hash, adapter.label)] = _Entry(adapter, time.monotonic(), True)
         return adapter
 
     def _fresh(self, entry: _Entry) -> bool:
@@ -107,7 +113,7 @@ class AdapterResolver:
             return True
         return time.monotonic() - entry.fetched_at < self.config.latest_ttl_s
 
-    def _check(self, ref: str, record: Any) -> AdapterBinding:
+    def _check(self, ref: str, record: Any, caller: Caller) -> AdapterBinding:
         if record.base_model != self.config.base_model_name:
             raise FailedPrecondition(
                 f"adapter {record.name}@{record.version} is for base model "
@@ -128,6 +134,7 @@ class AdapterResolver:
             sha256=record.sha256,
             size_bytes=int(record.size_bytes),
             base_model=record.base_model,
+            caller_key=caller.api_key,
         )
 
     def cached(self) -> Iterable[AdapterBinding]:

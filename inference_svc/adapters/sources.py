@@ -40,7 +40,8 @@ class S3Source:
 
 
 class StoreFetchSource:
-    """`FetchAdapter` through the async store client, which lives on the service's loop."""
+    """`FetchAdapter` through the async store client, which lives on the service's loop,
+    as the caller who resolved the adapter (the store checks their tenant again)."""
 
     tier = "store"
 
@@ -51,7 +52,9 @@ class StoreFetchSource:
 
     def fetch(self, adapter: AdapterBinding) -> CanonicalAdapter:
         ref = f"{adapter.name}@{adapter.version}"
-        call = asyncio.run_coroutine_threadsafe(self._client.fetch_adapter(ref), self._loop)
+        call = asyncio.run_coroutine_threadsafe(
+            self._client.fetch_adapter(ref, caller_key=adapter.caller_key), self._loop
+        )
         try:
             fetched = call.result()
         except grpc.RpcError as error:

@@ -73,6 +73,9 @@ class AdapterBinding:
     sha256: str
     size_bytes: int
     base_model: str
+    # The API key of the caller who resolved it, forwarded when the weights are fetched
+    # through the store (not part of the adapter's identity).
+    caller_key: str = field(default="", compare=False, repr=False)
 
     @property
     def key(self) -> AdapterKey:

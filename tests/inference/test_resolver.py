@@ -1,5 +1,5 @@
 """Adapter ref resolution: caching, invalidation by store events, TTL without events, the
-stale fallback while the store is down, and refusals."""
+stale fallback while the store is down, refusals, and the cache kept per caller."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from adapter_store.errors import FailedPrecondition, NotFound, Unavailable
+from inference_svc.adapters.caller import Caller
 from inference_svc.adapters.resolver import AdapterResolver, ResolverConfig
 from protos import adapter_store_pb2 as pb
 
@@ -29,9 +30,11 @@ class FakeStore:
         self.latest: dict[str, int] = {"a": 1}
         self.down = False
         self.calls: list[str] = []
+        self.keys: list[str | None] = []  # the caller key each call was made with
 
-    async def get_adapter(self, ref: str) -> pb.Adapter:
+    async def get_adapter(self, ref: str, caller_key: str | None = None) -> pb.Adapter:
         self.calls.append(ref)
+        self.keys.append(caller_key)
         if self.down:
             raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
         name, _, version = ref.partition("@")
@@ -95,3 +98,22 @@ def test_refusals() -> None:
         asyncio.run(r.resolve("foreign"))
     with pytest.raises(FailedPrecondition, match="max_lora_rank 16"):
         asyncio.run(r.resolve("wide"))
+
+
+def test_cache_is_per_caller_and_forwards_the_key() -> None:
+    store = FakeStore()
+    r = resolver(store, ttl=60.0)
+    alice, bob = Caller("sk-alice"), Caller("sk-bob")
+    bound = asyncio.run(r.resolve("a", alice))
+    assert bound.caller_key == "sk-alice" and "sk-alice" not in repr(bound) + repr(alice)
+    asyncio.run(r.resolve("a@1", alice))
+    assert store.keys == ["sk-alice"]  # alice's own entries answer alice
+    asyncio.run(r.resolve("a@1", bob))
+    assert store.keys == ["sk-alice", "sk-bob"]  # never alice's entry for bob
+    asyncio.run(r.resolve("a@1"))
+    assert store.keys[-1] == ""  # no key is forwarded as no key, not the replica's
+    # While the store is down, only the caller's own cached entries are served.
+    store.down = True
+    assert asyncio.run(r.resolve("a", alice)).version == 1
+    with pytest.raises(Unavailable):
+        asyncio.run(r.resolve("a", Caller("sk-mallory")))
