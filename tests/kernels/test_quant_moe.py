@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inference_svc.layers.linear import Linear
-from inference_svc.layers.moe import RoutedExperts
+from inference_svc.layers.moe import MoE, RoutedExperts
 from inference_svc.layers.quant import (
     Int4GroupMethod,
     Int8ChannelMethod,
@@ -16,6 +16,7 @@ from inference_svc.layers.quant import (
     UnquantizedMethod,
     make_quant_method,
 )
+from inference_svc.model.config import RoutingConfig
 from kernels import fused_moe as fm
 from kernels import int_quant as iq
 from kernels.lora_segments import build_lora_segments
@@ -220,6 +221,36 @@ def test_routed_experts_load_and_describe_quantized_weights(scheme):
     w13_ref = quantize_experts(torch.cat([gate, up], dim=1), scheme, group)
     assert torch.equal(info13.weight, w13_ref[0]) and torch.equal(info13.scale, w13_ref[1])
     assert info13.block == w13_ref[2] and torch.equal(info2.weight, q2)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_moe_layer_on_quantized_experts_matches_per_expert_loop(scheme):
+    """The MoE layer (CPU path) on integer experts = the independent per-expert loop on the
+    dequantized weights: exactly up to fp32 sums for weight-only int4, and within the
+    activation rounding for w8a8."""
+    experts, hidden, inter, tokens = 8, 64, 48, 21
+    method = Int8ChannelMethod() if scheme == "w8a8" else Int4GroupMethod(32)
+    layer = MoE(hidden, inter, RoutingConfig(experts, 3), method, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(11)
+    layer.gate.weight.copy_(torch.randn(experts, hidden, generator=g))
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.1
+    dequantized = []
+    for which, w in (("w13", w13), ("w2", w2)):
+        q, s, block = quantize_experts(w, scheme, 32)
+        layer.experts.load(which, "weight", q, None, 0)
+        layer.experts.load(which, "scale", s, None, 0)
+        dequantized.append(dequantize_experts(q, s, block, scheme, w.shape[-1]))
+    x = torch.randn(tokens, hidden, generator=g)
+    with torch.no_grad():
+        got = layer(x)
+        topk_weights, topk_ids = layer.gate(x)
+    want = fm.fused_moe_ref(x, *dequantized, topk_ids, topk_weights)
+    if scheme == "w8a8":
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+        assert not torch.equal(got, want), "activations are rounded to int8"
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def _lora_case(scheme, dtype, popularity, seed):  # type: ignore[no-untyped-def]
