@@ -1,4 +1,5 @@
-"""Base-model kernels vs measured ceilings: paged MLA decode, fused MoE, FP8 block GEMM.
+"""Base-model kernels vs measured ceilings: paged MLA decode, fused MoE (bf16, FP8
+block-scaled, INT8 w8a8, 4-bit weight-only experts), FP8 block GEMM.
 
     python -m bench.kernels_base --json out.json --plot out.png          # GPU
     python -m bench.kernels_base --json out.json --plot out.png --smoke  # CPU setup check
@@ -30,6 +31,7 @@ from bench.gpu_timing import (
 from bench.kernel_variants import block_m_v1
 from kernels import fp8
 from kernels import fused_moe as fm
+from kernels import int_quant as iq
 from kernels import mla_attention as mla
 
 
@@ -73,21 +75,29 @@ def moe_case(tokens, hidden, inter, experts, top_k, quant, device, with_ref) -> 
     # Made in the compute dtype: V3's 256 experts are 22 GB in bf16 and would be 45 in fp32.
     w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype) * 0.02
     w2 = torch.randn(experts, hidden, inter, device=device, dtype=dtype) * 0.02
-    s13 = s2 = block = None
+    s13 = s2 = block13 = block2 = None
+    scheme = {"fp8": "block", "w8a8": "w8a8", "int4": "int4_group"}.get(quant)
     if quant == "fp8":
-        block = (128, 128)
-        q13 = [fp8.block_quant_ref(w13[e], block) for e in range(experts)]
-        q2 = [fp8.block_quant_ref(w2[e], block) for e in range(experts)]
+        block13 = block2 = (128, 128)
+        q13 = [fp8.block_quant_ref(w13[e], block13) for e in range(experts)]
+        q2 = [fp8.block_quant_ref(w2[e], block13) for e in range(experts)]
         w13, s13 = torch.stack([q for q, _ in q13]), torch.stack([s for _, s in q13])
         w2, s2 = torch.stack([q for q, _ in q2]), torch.stack([s for _, s in q2])
+    elif quant == "w8a8":
+        (w13, s13), (w2, s2) = iq.int8_channel_quant_ref(w13), iq.int8_channel_quant_ref(w2)
+        block13, block2 = (1, hidden), (1, inter)
+    elif quant == "int4":
+        w13, s13 = iq.int4_group_quant_ref(w13)
+        w2, s2 = iq.int4_group_quant_ref(w2)
+        block13 = block2 = (1, iq.INT4_GROUP)
     else:
         w13, w2 = w13.to(dtype), w2.to(dtype)
 
     def staged(align_pairs, gemm, silu, combine, block_m=fm.moe_block_m):
         def run():
             align = align_pairs(ids, experts, block_m(ids.numel(), experts))
-            gate_up = gemm(x, w13, align, top_k, s13, block)
-            down = gemm(silu(gate_up), w2, align, 1, s2, block)
+            gate_up = gemm(x, w13, align, top_k, s13, block13, scheme)
+            down = gemm(silu(gate_up), w2, align, 1, s2, block2, scheme)
             return combine(down, weights)
 
         return run
@@ -106,6 +116,8 @@ def moe_case(tokens, hidden, inter, experts, top_k, quant, device, with_ref) -> 
         )
     distinct = ids.unique().numel()
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    if s13 is not None:
+        expert_bytes += (s13[0].numel() + s2[0].numel()) * s13.element_size()
     moved = distinct * expert_bytes + 2 * x.numel() * x.element_size()
     flops = 2 * tokens * top_k * 3 * hidden * inter
     name = f"moe {quant} T{tokens} E{experts} k{top_k} h{hidden} i{inter}"
@@ -133,6 +145,8 @@ def cases(smoke: bool, device: torch.device) -> Iterator[Case]:
         yield mla_decode_case(2, 4, 128, torch.float32, device, True)
         yield moe_case(4, 64, 32, 8, 2, "bf16", device, True)
         yield moe_case(4, 128, 128, 4, 2, "fp8", device, True)
+        yield moe_case(4, 128, 96, 4, 2, "w8a8", device, True)
+        yield moe_case(4, 128, 96, 4, 2, "int4", device, True)
         yield fp8_linear_case(2, 128, 256, device, True)
         return
     for heads in (16, 128):
@@ -141,6 +155,9 @@ def cases(smoke: bool, device: torch.device) -> Iterator[Case]:
                 yield mla_decode_case(batch, heads, context, torch.bfloat16, device, batch <= 8)
     for tokens in (1, 8, 64, 256):
         yield moe_case(tokens, 2048, 1408, 64, 6, "bf16", device, tokens <= 8)  # V2-Lite
+    for tokens in (1, 64, 256):
+        for quant in ("w8a8", "int4"):
+            yield moe_case(tokens, 2048, 1408, 64, 6, quant, device, False)
     for tokens in (1, 64, 256):
         yield moe_case(tokens, 7168, 2048, 256, 8, "bf16", device, False)  # V3
         yield moe_case(tokens, 7168, 2048, 256, 8, "fp8", device, False)

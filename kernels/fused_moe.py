@@ -22,6 +22,21 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import block_dequant_ref
+from kernels.int_quant import (
+    int4_group_dequant_ref,
+    int8_channel_dequant_ref,
+    per_token_quant_int8,
+    per_token_quant_int8_ref,
+)
+
+# How grouped_gemm reads a weight (`scheme=`; None picks "float" / "block" by w_scale):
+#   float:      w in a float dtype, no scale.
+#   block:      w float or e4m3, times scale [E, N/bn, K/bk] (FP8 block-scaled).
+#   w8a8:       w int8, scale [E, N, 1] per output channel (block (1, K)); activations are
+#               quantized per row to int8 and the product accumulates in int32.
+#   int4_group: w uint8 [E, N, ceil(K/2)] two nibbles per byte, scale [E, N, K/G]
+#               (block (1, G)); weight-only, nibbles dequantized in registers.
+WEIGHT_SCHEMES = {"float": 0, "block": 1, "w8a8": 2, "int4_group": 3}
 
 
 @dataclass(frozen=True)
@@ -180,10 +195,26 @@ def moe_block_m(num_pairs: int, num_experts: int) -> int:
     return int(min(64, max(16, triton.next_power_of_2(want))))
 
 
-def _dequant_expert(w: torch.Tensor, scale: torch.Tensor | None, block, e: int) -> torch.Tensor:
-    if scale is None:
+def _dequant_expert(
+    w: torch.Tensor, scale: torch.Tensor | None, block, scheme: str, e: int, k: int
+) -> torch.Tensor:
+    """Expert e's weight as float32 [N, K] under `scheme`."""
+    if scheme == "float":
         return w[e].float()
-    return block_dequant_ref(w[e], scale[e], block)
+    if scheme == "block":
+        return block_dequant_ref(w[e], scale[e], block)
+    if scheme == "w8a8":
+        return int8_channel_dequant_ref(w[e], scale[e])
+    return int4_group_dequant_ref(w[e], scale[e], k, block[1])
+
+
+def _scheme(scheme: str | None, w_scale: torch.Tensor | None) -> str:
+    scheme = scheme or ("float" if w_scale is None else "block")
+    if scheme not in WEIGHT_SCHEMES:
+        raise ValueError(f"unknown weight scheme {scheme!r} (known: {sorted(WEIGHT_SCHEMES)})")
+    if (w_scale is None) != (scheme == "float"):
+        raise ValueError(f"weight scheme {scheme!r} with w_scale {w_scale is not None}")
+    return scheme
 
 
 def grouped_gemm_ref(
@@ -193,34 +224,45 @@ def grouped_gemm_ref(
     rows_per_a: int,
     w_scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    scheme: str | None = None,
 ) -> torch.Tensor:
     """Semantics: out[p] = a[p // rows_per_a] @ W[expert(p)]ᵀ for every real pair p.
 
+    Under "w8a8" `a` is first rounded per row to int8 (`per_token_quant_int8_ref`), as
+    the kernel does; W is dequantized per `scheme` (see WEIGHT_SCHEMES).
     Args:
         a: [P / rows_per_a, K] activations (tokens for gate_up: rows_per_a = k; pairs for
             down: rows_per_a = 1).
-        w: [E, N, K] expert weights (float, or e4m3 with `w_scale` [E, N/bn, K/bk]).
+        w: [E, N, K] expert weights (float, or e4m3 with `w_scale` [E, N/bn, K/bk], or the
+            integer layouts of WEIGHT_SCHEMES).
     Returns: [P, N] in a's dtype, float32 accumulation.
     """
+    scheme = _scheme(scheme, w_scale)
+    k = a.shape[-1]
+    a_float = a.float()
+    if scheme == "w8a8":
+        a_q, a_scale = per_token_quant_int8_ref(a)
+        a_float = a_q.float() * a_scale[:, None]
     out = torch.zeros((align.num_pairs, w.shape[1]), dtype=a.dtype, device=a.device)
     offsets, counts = align.expert_offsets.tolist(), align.expert_counts.tolist()
     for e, count in enumerate(counts):
         if count == 0:
             continue
         pairs = align.sorted_pair_ids[offsets[e] : offsets[e] + count].long()
-        weight = _dequant_expert(w, w_scale, block, e)  # [N, K]
-        out[pairs] = (a[pairs // rows_per_a].float() @ weight.T).to(a.dtype)
+        weight = _dequant_expert(w, w_scale, block, scheme, e, k)  # [N, K]
+        out[pairs] = (a_float[pairs // rows_per_a] @ weight.T).to(a.dtype)
     return out
 
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
+    a_ptr, a_scale_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
     N, K, num_pairs, rows_per_a,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    BN: tl.constexpr, BK: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, SCHEME: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    # SCHEME: 0 float, 1 block-scaled, 2 w8a8, 3 int4_group (WEIGHT_SCHEMES).
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
@@ -231,7 +273,11 @@ def _grouped_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s_base = s_ptr + expert.to(tl.int64) * stride_se
+    if SCHEME == 2:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         a = tl.load(
@@ -239,26 +285,41 @@ def _grouped_gemm_kernel(
             mask=real[:, None] & (k[None, :] < K),
             other=0.0,
         )
-        b = tl.load(
-            w_base + offs_n[None, :] * stride_wn + k[:, None],
-            mask=(offs_n[None, :] < N) & (k[:, None] < K),
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N]
-        if HAS_SCALE:
-            # BLOCK_K divides BK: the tile lies in one scale block along K.
-            s = tl.load(
-                s_ptr + expert.to(tl.int64) * stride_se + (offs_n // BN) * stride_sn + k0 // BK,
-                mask=offs_n < N,
-                other=0.0,
-            )
-            acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
+        w_mask = (offs_n[None, :] < N) & (k[:, None] < K)
+        if SCHEME == 3:
+            # Each byte holds k = 2j (low nibble) and 2j + 1 (high); a K-tile reads its
+            # bytes twice (from L1) and picks the nibble by k's parity.
+            packed = tl.load(
+                w_base + offs_n[None, :] * stride_wn + k[:, None] // 2, mask=w_mask, other=0
+            )  # [BLOCK_K, BLOCK_N] uint8
+            nibble = (packed >> ((k[:, None] % 2) * 4).to(tl.uint8)) & 0xF
+            b = nibble.to(tl.int32) - 8
         else:
+            b = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
+        if SCHEME == 2:
+            acc += tl.dot(a, b, out_dtype=tl.int32)
+        elif SCHEME == 0:
             acc += tl.dot(a, b)
+        else:
+            # BLOCK_K divides BK: the tile lies in one scale block (or group) along K.
+            s = tl.load(s_base + (offs_n // BN) * stride_sn + k0 // BK, mask=offs_n < N, other=0.0)
+            acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
+    if SCHEME == 2:
+        a_scale = tl.load(a_scale_ptr + a_row, mask=real, other=0.0)  # [BLOCK_M]
+        w_scale = tl.load(s_base + offs_n * stride_sn, mask=offs_n < N, other=0.0)  # [BLOCK_N]
+        result = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
+    else:
+        result = acc
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
+        result.to(out_ptr.dtype.element_ty),
         mask=real[:, None] & (offs_n[None, :] < N),
     )  # fmt: skip
+
+
+def _stored_k(k: int, scheme: str) -> int:
+    """Width of the stored weight's last dim for logical K."""
+    return triton.cdiv(k, 2) if scheme == "int4_group" else k
 
 
 def grouped_gemm(
@@ -268,10 +329,16 @@ def grouped_gemm(
     rows_per_a: int,
     w_scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    scheme: str | None = None,
 ) -> torch.Tensor:
-    """Triton version of `grouped_gemm_ref` (same arguments and result)."""
-    num_experts, n, k = w.shape
-    if a.shape[-1] != k or a.stride(-1) != 1 or w.stride(-1) != 1:
+    """Triton version of `grouped_gemm_ref` (same arguments and result).
+
+    "w8a8" quantizes `a` per row with `per_token_quant_int8` first (one extra launch).
+    """
+    scheme = _scheme(scheme, w_scale)
+    num_experts, n, stored_k = w.shape
+    k = a.shape[-1]
+    if stored_k != _stored_k(k, scheme) or a.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError(f"a {tuple(a.shape)} / w {tuple(w.shape)}: K mismatch or strided K")
     bn, bk = block if block is not None else (1, 1)  # unused without a scale
     if w_scale is not None and w_scale.shape != (
@@ -280,19 +347,27 @@ def grouped_gemm(
         triton.cdiv(k, bk),
     ):
         raise ValueError(f"w_scale {tuple(w_scale.shape)} does not match w / block {block}")
-    block_k = min(64, bk) if w_scale is not None else 64
+    if scheme in ("block", "int4_group"):
+        block_k = min(64, bk)
+        if bk % block_k:
+            raise ValueError(f"scale block {bk} along K must be a multiple of {block_k}")
+    else:
+        block_k = 64
     out = torch.empty((align.num_pairs, n), dtype=a.dtype, device=a.device)
-    scale = w_scale if w_scale is not None else w  # unused pointer when HAS_SCALE is False
+    a_scale = w  # unused pointer unless w8a8
+    if scheme == "w8a8":
+        a, a_scale = per_token_quant_int8(a)
+    scale = w_scale if w_scale is not None else w  # unused pointer for "float"
     block_n = 64
     grid = (align.block_expert_ids.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, w, scale, out, align.sorted_pair_ids, align.block_expert_ids,
+        a, a_scale, w, scale, out, align.sorted_pair_ids, align.block_expert_ids,
         n, k, align.num_pairs, rows_per_a,
         a.stride(0), w.stride(0), w.stride(1),
         scale.stride(0) if w_scale is not None else 0,
         scale.stride(1) if w_scale is not None else 0,
         out.stride(0),
-        BN=bn, BK=bk, HAS_SCALE=w_scale is not None,
+        BN=bn, BK=bk, SCHEME=WEIGHT_SCHEMES[scheme],
         BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return out

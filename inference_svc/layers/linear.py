@@ -33,6 +33,8 @@ class Linear(nn.Module):
         self.output_sizes = list(output_sizes)
         self.out_features = sum(output_sizes)
         self.quant = quant
+        if not quant.dense_linear:
+            raise ValueError(f"quant method {quant.name} is for routed experts only, not Linear")
         quant.check_slices(self.output_sizes)
         quant.create_weights(self, (self.out_features, in_features), dtype, torch.device(device))
         self.lora: LoraWeights | None = None

@@ -144,7 +144,7 @@ class MoE(nn.Module):
         align = (fm.moe_align if triton_path else fm.moe_align_ref)(topk_ids, num_experts, block_m)
         gemm = fm.grouped_gemm if triton_path else fm.grouped_gemm_ref
         top_k = topk_ids.shape[1]
-        gate_up = gemm(x, w13.weight, align, top_k, w13.scale, w13.block)  # [P, 2I]
+        gate_up = gemm(x, w13.weight, align, top_k, w13.scale, w13.block, w13.scheme)  # [P, 2I]
         with_lora = (
             lora is not None and self.lora_gate_up is not None and self.lora_down is not None
         )
@@ -152,7 +152,7 @@ class MoE(nn.Module):
             pair_token, pair_expert = _pairs(topk_ids)
             add_moe_gate_up(x, gate_up, self.lora_gate_up, pair_token, pair_expert, lora)
         act = (fm.silu_mul if triton_path else fm.silu_mul_ref)(gate_up)  # [P, I]
-        pair_out = gemm(act, w2.weight, align, 1, w2.scale, w2.block)  # [P, hidden]
+        pair_out = gemm(act, w2.weight, align, 1, w2.scale, w2.block, w2.scheme)  # [P, hidden]
         if with_lora:
             add_moe_down(act, pair_out, self.lora_down, pair_token, pair_expert, lora)
         return (fm.moe_combine if triton_path else fm.moe_combine_ref)(pair_out, topk_weights)

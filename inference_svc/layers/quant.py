@@ -3,7 +3,9 @@
 A quant method creates a layer's weight parameters, loads checkpoint tensors into them and
 describes them to the kernels as a `QuantInfo`. `bf16` stores the weight in the activation
 dtype (bf16 on GPU, float32 on CPU); `fp8_block` keeps DeepSeek-V3's e4m3 weights with one
-float32 `weight_scale_inv` per 128×128 block. Issue 6 adds INT8 / 4-bit methods here.
+float32 `weight_scale_inv` per 128×128 block. `int8_channel` (w8a8) and `int4_group`
+(4-bit weight-only, groups of 128 along K) are for the routed experts only: their layouts are
+described in `kernels.int_quant`, and a dense `Linear` refuses them at construction.
 """
 
 from __future__ import annotations
@@ -15,25 +17,32 @@ import torch
 from torch import nn
 
 from kernels.fp8 import FP8_DTYPE
+from kernels.int_quant import INT4_GROUP
 
 
 @dataclass(frozen=True)
 class QuantInfo:
     """What a GEMM needs to multiply by a stored weight.
 
-    weight: [..., N, K] (a leading expert dim E for MoE), float or float8_e4m3fn.
+    weight: [..., N, K] (a leading expert dim E for MoE), float or float8_e4m3fn; int8
+        for "w8a8"; uint8 [..., N, ceil(K/2)] (two nibbles per byte) for "int4_group".
     scale:  [..., ceil(N/block_n), ceil(K/block_k)] float32 (dequant = weight · scale), or None.
+    scheme: how the GEMM reads them (`kernels.fused_moe.WEIGHT_SCHEMES`); None means
+        "float" without a scale and "block" with one.
     """
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
     block: tuple[int, int] | None = None
+    scheme: str | None = None
 
 
 class QuantMethod(abc.ABC):
     """Interface every weight format implements; an incomplete subclass cannot be built."""
 
     name: str
+    # False: only the routed-expert GEMM reads this format; a dense Linear refuses it.
+    dense_linear: bool = True
 
     @abc.abstractmethod
     def create_weights(
@@ -125,12 +134,88 @@ class Fp8BlockMethod(QuantMethod):
             _copy_rows(_rows(module.weight_scale_inv, expert), tensor, row // self.block_n, "scale")
 
 
+def _load_int(module: nn.Module, kind: str, tensor: torch.Tensor, row: int, expert, dtype):
+    """Rows of an integer `weight` (checked dtype) or of its per-row `weight_scale`."""
+    if kind == "weight":
+        if tensor.dtype != dtype:
+            raise ValueError(f"{kind}: got {tensor.dtype}, expected {dtype}")
+        _copy_rows(_rows(module.weight, expert), tensor, row, "weight")
+    elif kind == "scale":
+        dst = _rows(module.weight_scale, expert)
+        _copy_rows(dst, tensor.float().reshape(-1, dst.shape[-1]), row, "scale")
+    else:
+        raise ValueError(f"unknown checkpoint tensor kind {kind!r}")
+
+
+class Int8ChannelMethod(QuantMethod):
+    """int8 weight + float32 `weight_scale` [..., N, 1] per output channel; w8a8 GEMM."""
+
+    name = "int8_channel"
+    dense_linear = False
+
+    def create_weights(self, module, shape, dtype, device) -> None:
+        *lead, n, k = shape
+        module.weight = nn.Parameter(torch.empty(shape, dtype=torch.int8, device=device), False)
+        module.weight_scale = nn.Parameter(
+            torch.empty((*lead, n, 1), dtype=torch.float32, device=device), False
+        )
+
+    def check_slices(self, output_sizes: list[int]) -> None:
+        return None  # one scale per row: any split of the rows keeps its own scales
+
+    def quant_info(self, module: nn.Module) -> QuantInfo:
+        k = module.weight.shape[-1]
+        return QuantInfo(module.weight, module.weight_scale, (1, k), "w8a8")
+
+    def load(self, module, kind, tensor, row, expert) -> None:
+        _load_int(module, kind, tensor, row, expert, torch.int8)
+
+
+class Int4GroupMethod(QuantMethod):
+    """Packed 4-bit weight uint8 [..., N, ceil(K/2)] + float32 `weight_scale` per group."""
+
+    name = "int4_group"
+    dense_linear = False
+
+    def __init__(self, group: int = INT4_GROUP):
+        if group < 16 or group & (group - 1):
+            raise ValueError(f"int4 group {group} must be a power of two ≥ 16 (GEMM K-tile)")
+        self.group = group
+
+    def create_weights(self, module, shape, dtype, device) -> None:
+        *lead, n, k = shape
+        packed = (*lead, n, -(-k // 2))
+        groups = (*lead, n, -(-k // self.group))
+        module.weight = nn.Parameter(torch.empty(packed, dtype=torch.uint8, device=device), False)
+        module.weight_scale = nn.Parameter(
+            torch.empty(groups, dtype=torch.float32, device=device), False
+        )
+
+    def check_slices(self, output_sizes: list[int]) -> None:
+        return None  # groups run along K: every row has its own scales
+
+    def quant_info(self, module: nn.Module) -> QuantInfo:
+        return QuantInfo(module.weight, module.weight_scale, (1, self.group), "int4_group")
+
+    def load(self, module, kind, tensor, row, expert) -> None:
+        _load_int(module, kind, tensor, row, expert, torch.uint8)
+
+
 def make_quant_method(name: str, block: tuple[int, int] | None = None) -> QuantMethod:
-    """The quant method called `name`; an unknown name is a start-up error."""
+    """The quant method called `name`; an unknown name is a start-up error.
+
+    `block` is the fp8 weight block; for int4_group its K entry is the group (default 128).
+    """
     if name == UnquantizedMethod.name:
         return UnquantizedMethod()
     if name == Fp8BlockMethod.name:
         if block is None:
             raise ValueError("fp8_block needs a weight block size")
         return Fp8BlockMethod(*block)
-    raise ValueError(f"unknown quant method {name!r} (known: bf16, fp8_block)")
+    if name == Int8ChannelMethod.name:
+        return Int8ChannelMethod()
+    if name == Int4GroupMethod.name:
+        return Int4GroupMethod(block[1] if block is not None else INT4_GROUP)
+    raise ValueError(
+        f"unknown quant method {name!r} (known: bf16, fp8_block, int8_channel, int4_group)"
+    )

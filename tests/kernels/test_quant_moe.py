@@ -1,0 +1,352 @@
+"""INT8 w8a8 and 4-bit group-quantized routed experts: quantizer error bounds, the grouped
+GEMM (Triton vs reference vs dequantized weights), the quant-method seam, and MoE LoRA on
+quantized experts (the LoRA delta does not depend on how the base experts are stored)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_svc.layers.linear import Linear
+from inference_svc.layers.moe import MoE, RoutedExperts
+from inference_svc.layers.quant import (
+    Int4GroupMethod,
+    Int8ChannelMethod,
+    QuantMethod,
+    UnquantizedMethod,
+    make_quant_method,
+)
+from inference_svc.model.config import RoutingConfig
+from kernels import fused_moe as fm
+from kernels import int_quant as iq
+from kernels.lora_segments import build_lora_segments
+from kernels.moe_lora import (
+    moe_lora_down,
+    moe_lora_down_ref,
+    moe_lora_gate_up,
+    moe_lora_gate_up_ref,
+)
+from tests.fixtures.triton_interpret import kernel_device
+from tests.kernels.lora_cases import mixed_ranks, pool_A, pool_B, popular_slots
+from tests.kernels.test_fused_moe import PATTERNS, routing
+
+DEVICE = kernel_device()
+# bf16 loads are wrong in the interpreter: bf16 runs on the GPU only (test_*_on_gpu).
+DTYPES = [torch.float32, torch.float16]
+TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 3e-2)}
+SCHEMES = ["w8a8", "int4_group"]
+
+
+def quantize_experts(w: torch.Tensor, scheme: str, group: int):
+    """[E, N, K] float → (stored weight, scale, block) of `scheme`."""
+    if scheme == "w8a8":
+        q, scale = iq.int8_channel_quant_ref(w)
+        return q, scale, (1, w.shape[-1])
+    packed, scale = iq.int4_group_quant_ref(w, group)
+    return packed, scale, (1, group)
+
+
+def dequantize_experts(q, scale, block, scheme: str, k: int) -> torch.Tensor:
+    if scheme == "w8a8":
+        return iq.int8_channel_dequant_ref(q, scale)
+    return iq.int4_group_dequant_ref(q, scale, k, block[1])
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (3, 7, 129), (2, 4, 300)])
+def test_int8_channel_quant_error_bound(shape):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.3
+    w[..., 0, :] = 0.0  # an all-zero row must not divide by zero
+    q, scale = iq.int8_channel_quant_ref(w)
+    assert q.dtype == torch.int8 and scale.shape == (*shape[:-1], 1)
+    assert q.abs().max() <= 127
+    assert (q.abs().amax(dim=-1)[..., 1:] == 127).all(), "each nonzero row uses the full range"
+    error = (iq.int8_channel_dequant_ref(q, scale) - w).abs()
+    assert (error <= scale / 2 + 1e-7).all(), "at most half a step per element"
+    assert (iq.int8_channel_dequant_ref(q, scale)[..., 0, :] == 0).all()
+
+
+@pytest.mark.parametrize("k,group", [(256, 128), (300, 128), (77, 32), (16, 16)])
+def test_int4_group_quant_error_bound(k, group):
+    w = torch.randn(3, 6, k, generator=torch.Generator().manual_seed(k)) * 0.05
+    packed, scale = iq.int4_group_quant_ref(w, group)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 6, (k + 1) // 2)
+    assert scale.shape == (3, 6, -(-k // group))
+    q = iq.int4_unpack_ref(packed, k)
+    assert q.abs().max() <= 7, "symmetric: -8 is never produced"
+    deq = iq.int4_group_dequant_ref(packed, scale, k, group)
+    step = scale.repeat_interleave(group, dim=-1)[..., :k]
+    assert ((deq - w).abs() <= step / 2 + 1e-7).all(), "at most half a group step"
+
+
+def test_int4_nibble_layout():
+    """Byte j holds k = 2j in the low nibble and 2j + 1 in the high one, as q + 8."""
+    w = torch.tensor([[7.0, -7.0, 1.0, 0.0, -3.0]])  # amax 7 → scale 1, q = w
+    packed, scale = iq.int4_group_quant_ref(w, 16)
+    assert scale.tolist() == [[1.0]]
+    assert packed.tolist() == [[(7 + 8) | (1 << 4), (1 + 8) | (8 << 4), (-3 + 8) | (8 << 4)]]
+    assert torch.equal(iq.int4_group_dequant_ref(packed, scale, 5, 16), w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k", [(7, 48), (1, 1500), (0, 16)])
+def test_per_token_quant_int8_matches_ref(dtype, rows, k):
+    a = (torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 3).to(dtype)
+    q, scale = iq.per_token_quant_int8(a.to(DEVICE))
+    q_ref, scale_ref = iq.per_token_quant_int8_ref(a)
+    torch.testing.assert_close(scale.cpu(), scale_ref, atol=0, rtol=1e-6)
+    # A float division may round a value at exactly .5 the other way on some devices.
+    assert ((q.cpu().int() - q_ref.int()).abs() <= (1 if DEVICE == "cuda" else 0)).all()
+    if rows:
+        error = (q_ref.float() * scale_ref[:, None] - a.float()).abs()
+        assert (error <= scale_ref[:, None] / 2 + 1e-6).all()
+
+
+def _gemm_case(scheme, dtype, pattern, group, seed):  # type: ignore[no-untyped-def]
+    tokens, experts, top_k, hidden, inter = 19, 8, 2, 96, 40
+    ids, _ = routing(tokens, experts, top_k, pattern, seed=seed)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.1
+    return ids, x, quantize_experts(w13, scheme, group), quantize_experts(w2, scheme, group)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_grouped_gemm_matches_ref(scheme, pattern, dtype):
+    """Triton vs reference for gate_up (rows = tokens) and down (rows = pairs); K=96 and
+    K=40 are not multiples of the 32-group, so the last group and K-tile are partial."""
+    ids, x, (w13, s13, b13), (w2, s2, b2) = _gemm_case(scheme, dtype, pattern, 32, seed=3)
+    experts, top_k = 8, ids.shape[1]
+    align = fm.moe_align(ids.to(DEVICE), experts, 16)
+    align_cpu = fm.moe_align_ref(ids, experts, 16)
+    dev = [t.to(DEVICE) for t in (w13, s13, w2, s2)]
+    atol, rtol = TOLERANCE[dtype]
+    gate_up = fm.grouped_gemm(x.to(DEVICE), dev[0], align, top_k, dev[1], b13, scheme)
+    ref = fm.grouped_gemm_ref(x, w13, align_cpu, top_k, s13, b13, scheme)
+    torch.testing.assert_close(gate_up.cpu().float(), ref.float(), atol=atol, rtol=rtol)
+    act = fm.silu_mul_ref(ref)
+    down = fm.grouped_gemm(act.to(DEVICE), dev[2], align, 1, dev[3], b2, scheme)
+    down_ref = fm.grouped_gemm_ref(act, w2, align_cpu, 1, s2, b2, scheme)
+    torch.testing.assert_close(down.cpu().float(), down_ref.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_ref_equals_dequantized_weights(scheme):
+    """The reference under a scheme = a float GEMM on the dequantized weights (and, for
+    w8a8, on the per-token int8-rounded activations), and stays near the unquantized GEMM."""
+    ids, x, (w13, s13, b13), _ = _gemm_case(scheme, torch.float32, "uniform", 128, seed=4)
+    align = fm.moe_align_ref(ids, 8, 16)
+    got = fm.grouped_gemm_ref(x, w13, align, ids.shape[1], s13, b13, scheme)
+    w_float = dequantize_experts(w13, s13, b13, scheme, x.shape[1])
+    x_seen = x
+    if scheme == "w8a8":
+        q, scale = iq.per_token_quant_int8_ref(x)
+        x_seen = q.float() * scale[:, None]
+    want = fm.grouped_gemm_ref(x_seen, w_float, align, ids.shape[1])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Quantization error of the whole product: a few % of the output's scale at most.
+    unquantized = fm.grouped_gemm_ref(x, w_float, align, ids.shape[1])
+    if scheme == "w8a8":
+        assert (got - unquantized).abs().max() <= 0.02 * unquantized.abs().max()
+    else:
+        assert torch.equal(got, unquantized), "weight-only: activations are not rounded"
+
+
+def test_scheme_and_scale_must_agree():
+    ids, x, (w13, s13, b13), _ = _gemm_case("int4_group", torch.float32, "uniform", 32, 5)
+    align = fm.moe_align_ref(ids, 8, 16)
+    with pytest.raises(ValueError, match="scheme"):
+        fm.grouped_gemm_ref(x, w13, align, 2, None, b13, "int4_group")
+    with pytest.raises(ValueError, match="unknown weight scheme"):
+        fm.grouped_gemm(x, w13, align, 2, s13, b13, "int3")
+    with pytest.raises(ValueError, match="K mismatch"):
+        fm.grouped_gemm(x, w13, align, 2, s13, b13, "w8a8")  # packed width is K/2
+
+
+def test_quant_method_without_quant_info_cannot_be_built():
+    class NoQuantInfo(QuantMethod):
+        name = "broken"
+
+        def create_weights(self, module, shape, dtype, device) -> None:
+            return None
+
+        def check_slices(self, output_sizes: list[int]) -> None:
+            return None
+
+        def load(self, module, kind, tensor, row, expert) -> None:
+            return None
+
+    with pytest.raises(TypeError, match="quant_info"):
+        NoQuantInfo()
+
+
+def test_make_quant_method_and_dense_linear_refusal():
+    assert isinstance(make_quant_method("int8_channel"), Int8ChannelMethod)
+    assert make_quant_method("int4_group").group == iq.INT4_GROUP
+    assert make_quant_method("int4_group", (1, 64)).group == 64
+    with pytest.raises(ValueError, match="power of two"):
+        Int4GroupMethod(100)
+    with pytest.raises(ValueError, match="unknown quant method"):
+        make_quant_method("int3")
+    for method in (Int8ChannelMethod(), Int4GroupMethod(32)):
+        with pytest.raises(ValueError, match="routed experts only"):
+            Linear(64, [32], method, torch.float32, "cpu")
+    Linear(64, [32], UnquantizedMethod(), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_routed_experts_load_and_describe_quantized_weights(scheme):
+    """Checkpoint tensors (gate and up separately, per expert and fused) load into the
+    method's parameters; quant_info describes them so the GEMM reproduces the reference."""
+    experts, hidden, inter, group = 4, 64, 48, 32
+    method = Int8ChannelMethod() if scheme == "w8a8" else Int4GroupMethod(group)
+    layer = RoutedExperts(experts, hidden, inter, method, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(7)
+    gate, up = (torch.randn(experts, inter, hidden, generator=g) for _ in range(2))
+    down = torch.randn(experts, hidden, inter, generator=g)
+    for slice_index, w in enumerate((gate, up)):
+        q, s, _ = quantize_experts(w, scheme, group)
+        for e in range(experts):  # per-expert checkpoint layout
+            layer.load("w13", "weight", q[e], e, slice_index)
+            layer.load("w13", "scale", s[e], e, slice_index)
+    q2, s2, _ = quantize_experts(down, scheme, group)
+    layer.load("w2", "weight", q2, None, 0)  # fused [E, N, K] layout
+    layer.load("w2", "scale", s2, None, 0)
+    with pytest.raises(ValueError, match="expected"):
+        layer.load("w2", "weight", down[0], 0, 0)  # a float weight into an integer layer
+    info13, info2 = layer.quant_info()
+    assert info13.scheme == info2.scheme == scheme
+    w13_ref = quantize_experts(torch.cat([gate, up], dim=1), scheme, group)
+    assert torch.equal(info13.weight, w13_ref[0]) and torch.equal(info13.scale, w13_ref[1])
+    assert info13.block == w13_ref[2] and torch.equal(info2.weight, q2)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_moe_layer_on_quantized_experts_matches_per_expert_loop(scheme):
+    """The MoE layer (CPU path) on integer experts = the independent per-expert loop on the
+    dequantized weights: exactly up to fp32 sums for weight-only int4, and within the
+    activation rounding for w8a8."""
+    experts, hidden, inter, tokens = 8, 64, 48, 21
+    method = Int8ChannelMethod() if scheme == "w8a8" else Int4GroupMethod(32)
+    layer = MoE(hidden, inter, RoutingConfig(experts, 3), method, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(11)
+    layer.gate.weight.copy_(torch.randn(experts, hidden, generator=g))
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.1
+    dequantized = []
+    for which, w in (("w13", w13), ("w2", w2)):
+        q, s, block = quantize_experts(w, scheme, 32)
+        layer.experts.load(which, "weight", q, None, 0)
+        layer.experts.load(which, "scale", s, None, 0)
+        dequantized.append(dequantize_experts(q, s, block, scheme, w.shape[-1]))
+    x = torch.randn(tokens, hidden, generator=g)
+    with torch.no_grad():
+        got = layer(x)
+        topk_weights, topk_ids = layer.gate(x)
+    want = fm.fused_moe_ref(x, *dequantized, topk_ids, topk_weights)
+    if scheme == "w8a8":
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+        assert not torch.equal(got, want), "activations are rounded to int8"
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _lora_case(scheme, dtype, popularity, seed):  # type: ignore[no-untyped-def]
+    """A routed batch over quantized experts with a gate_up and down LoRA pool."""
+    tokens, experts, top_k, hidden, inter, pool_rank = 13, 6, 2, 64, 32, 8
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    ids, weights = routing(tokens, experts, top_k, "uniform", seed=seed)
+    ranks = mixed_ranks(3, pool_rank, gen)
+    slots = popular_slots(popularity, tokens, 3, gen)
+    segs = {dev: build_lora_segments(slots, ranks, device=dev) for dev in {"cpu", DEVICE}}
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.1
+    lora = {  # pools [slots, E, ...] from per-expert pool_A / pool_B draws
+        "A_gu": torch.stack([pool_A(ranks, 2, pool_rank, hidden) for _ in range(experts)], 1),
+        "B_gu": torch.stack([pool_B(ranks, 2 * inter, pool_rank) for _ in range(experts)], 1),
+        "A_d": torch.stack([pool_A(ranks, 1, pool_rank, inter) for _ in range(experts)], 1),
+        "B_d": torch.stack([pool_B(ranks, hidden, pool_rank) for _ in range(experts)], 1),
+    }
+    lora = {k: v.to(dtype) for k, v in lora.items()}
+    base = (quantize_experts(w13, scheme, 32), quantize_experts(w2, scheme, 32))
+    pair_token = (torch.arange(tokens * top_k) // top_k).int()
+    return ids, weights, segs, x.to(dtype), base, lora, pair_token, ids.flatten().int()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("popularity", ["distinct", "skewed", "all_base"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_moe_lora_on_quantized_experts_is_base_plus_delta(scheme, popularity, dtype):
+    """Staged MoE with LoRA between the quantized GEMMs: each stage's output = the
+    quantized base stage + the LoRA delta computed on its own (into zeros) — the LoRA
+    path never sees the quant method — and the combined output matches the reference
+    pipeline built from those parts."""
+    ids, weights, all_segs, x, base, lora, pt, pe = _lora_case(scheme, dtype, popularity, 9)
+    segs, segs_cpu = all_segs[DEVICE], all_segs["cpu"]
+    (w13, s13, b13), (w2, s2, b2) = base
+    experts, top_k = 6, ids.shape[1]
+    align = fm.moe_align(ids.to(DEVICE), experts, 16)
+    d = {k: v.to(DEVICE) for k, v in lora.items()}
+    pt_d, pe_d, x_d = pt.to(DEVICE), pe.to(DEVICE), x.to(DEVICE)
+    w13_d, s13_d, w2_d, s2_d = (t.to(DEVICE) for t in (w13, s13, w2, s2))
+
+    base_gate_up = fm.grouped_gemm(x_d, w13_d, align, top_k, s13_d, b13, scheme)
+    gate_up = moe_lora_gate_up(x_d, base_gate_up.clone(), d["A_gu"], d["B_gu"], pt_d, pe_d, segs)
+    zeros = torch.zeros_like(base_gate_up)
+    delta_gu = moe_lora_gate_up(x_d, zeros, d["A_gu"], d["B_gu"], pt_d, pe_d, segs)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(gate_up, base_gate_up + delta_gu, atol=atol, rtol=rtol)
+
+    act = fm.silu_mul(gate_up)
+    base_down = fm.grouped_gemm(act, w2_d, align, 1, s2_d, b2, scheme)
+    down = moe_lora_down(act, base_down.clone(), d["A_d"], d["B_d"], pt_d, pe_d, segs)
+    delta_d = moe_lora_down(act, torch.zeros_like(base_down), d["A_d"], d["B_d"], pt_d, pe_d, segs)
+    torch.testing.assert_close(down, base_down + delta_d, atol=atol, rtol=rtol)
+    out = fm.moe_combine(down, weights.to(DEVICE)).cpu()
+
+    # Reference pipeline in float32: quantized base GEMM ref + LoRA ref, stage by stage.
+    f32 = {k: v.float() for k, v in lora.items()}
+    align_cpu = fm.moe_align_ref(ids, experts, 16)
+    ref_gu = fm.grouped_gemm_ref(x.float(), w13, align_cpu, top_k, s13, b13, scheme)
+    ref_gu = moe_lora_gate_up_ref(x.float(), ref_gu, f32["A_gu"], f32["B_gu"], pt, pe, segs_cpu)
+    ref_act = fm.silu_mul_ref(ref_gu)
+    ref_down = fm.grouped_gemm_ref(ref_act, w2, align_cpu, 1, s2, b2, scheme)
+    ref_down = moe_lora_down_ref(ref_act, ref_down, f32["A_d"], f32["B_d"], pt, pe, segs_cpu)
+    ref = fm.moe_combine_ref(ref_down, weights)
+    # w8a8 re-rounds the LoRA-perturbed activations: a half-step flip costs one int8 LSB.
+    loose = 4 if dtype != torch.float32 or scheme == "w8a8" else 1
+    torch.testing.assert_close(out.float(), ref, atol=atol * loose, rtol=rtol * loose)
+    if popularity == "all_base":
+        torch.testing.assert_close(delta_gu, zeros, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,hidden,inter",
+    [(1, 64, 6, 2048, 1408), (256, 64, 6, 2048, 1408), (64, 256, 8, 1024, 256)],
+)
+def test_quantized_grouped_gemm_bf16_on_gpu(scheme, tokens, experts, top_k, hidden, inter):
+    """bf16 activations at V2-Lite layer shapes (and a V3-like expert count) on CUDA."""
+    ids, _ = routing(tokens, experts, top_k, "uniform", seed=tokens)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05
+    q, s, block = quantize_experts(w13, scheme, iq.INT4_GROUP)
+    block_m = fm.moe_block_m(ids.numel(), experts)
+    align = fm.moe_align(ids.cuda(), experts, block_m)
+    got = fm.grouped_gemm(x.cuda(), q.cuda(), align, top_k, s.cuda(), block, scheme)
+    align_cpu = fm.moe_align_ref(ids, experts, block_m)
+    ref = fm.grouped_gemm_ref(x, q, align_cpu, top_k, s, block, scheme)
+    torch.testing.assert_close(got.float().cpu(), ref.float(), atol=3e-2, rtol=3e-2)
+    act = fm.silu_mul(got)
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.05
+    q2, s2, block2 = quantize_experts(w2, scheme, iq.INT4_GROUP)
+    down = fm.grouped_gemm(act, q2.cuda(), align, 1, s2.cuda(), block2, scheme)
+    down_ref = fm.grouped_gemm_ref(act.cpu(), q2, align_cpu, 1, s2, block2, scheme)
+    torch.testing.assert_close(down.float().cpu(), down_ref.float(), atol=3e-2, rtol=3e-2)
