@@ -90,6 +90,11 @@ class StoreClient:
         request = pb.GetAdapterRequest(ref=ref)
         return await self._stub.GetAdapter(request, **self._call_options(caller_key))
 
+    async def who_am_i(self, caller_key: str | None = None) -> str:
+        """The tenant of the client's key (or of `caller_key`)."""
+        reply = await self._stub.WhoAmI(pb.WhoAmIRequest(), **self._call_options(caller_key))
+        return reply.tenant
+
     async def list_adapters(
         self,
         *,

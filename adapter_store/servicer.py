@@ -172,3 +172,8 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
                 yield pb.AdapterChunk(data=data, offset=offset, total_size=total)
                 offset += len(data)
                 self._metrics.fetch_bytes.inc(len(data))
+
+    @rpc_method
+    async def WhoAmI(self, request, context):  # noqa: N802
+        # No concurrency place: it only reads the key table.
+        return pb.WhoAmIResponse(tenant=self._auth.principal(context.invocation_metadata()).tenant)

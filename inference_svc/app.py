@@ -18,6 +18,7 @@ from inference_svc.adapters.residency_publisher import (
 from inference_svc.adapters.resolver import AdapterResolver, ResolverConfig
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher, S3FetchConfig
 from inference_svc.adapters.sources import AdapterSource, S3Source, StoreFetchSource
+from inference_svc.adapters.tenants import CallerTenants, TenantCacheConfig
 from inference_svc.engine.engine_loop import EngineLoop
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.runtime import Runtime, RuntimeConfig, build_runtime
@@ -37,6 +38,7 @@ class AppConfig:
     s3: S3FetchConfig | None = None  # None: weights come through the store's FetchAdapter
     store_tls_ca: str | None = None  # PEM to trust for a TLS store; None: plain TCP
     latest_ttl_s: float = 5.0  # how long `name` → version is trusted without events
+    tenant_ttl_s: float = 10.0  # how long the store's key → tenant answer is trusted
     residency_ttl_s: float = 15.0
     residency_interval_s: float = 5.0
 
@@ -92,6 +94,7 @@ class InferenceApp:
             self.runtime.engine,
             self.loop,
             self.resolver,
+            CallerTenants(TenantCacheConfig(c.store_address, c.tenant_ttl_s), self.store),
             self.runtime.tokenizer,
             int(self.runtime.hf_config["vocab_size"]),
             self.metrics,

@@ -18,6 +18,7 @@ from adapter_store.errors import InvalidArgument, LoraserveError
 from adapter_store.names import parse_ref
 from inference_svc.adapters.caller import ANONYMOUS, Caller
 from inference_svc.adapters.resolver import AdapterResolver
+from inference_svc.adapters.tenants import CallerTenants
 from inference_svc.engine.engine import EngineStats, LLMEngine, LoadedAdapterInfo
 from inference_svc.engine.engine_loop import EngineLoop
 from inference_svc.engine.scheduler import PrefetchTicket
@@ -41,7 +42,7 @@ class GenerateInput:
     prompt: str
     prompt_token_ids: list[int]  # used when not empty
     params: GenerationParams
-    caller: Caller = ANONYMOUS  # forwarded to the store when the adapter is resolved
+    caller: Caller = ANONYMOUS  # checked by the store (adapter lookup or WhoAmI)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class InferenceService:
         engine: LLMEngine,
         loop: EngineLoop,
         resolver: AdapterResolver,
+        tenants: CallerTenants,
         tokenizer: Tokenizer,
         vocab_size: int,
         metrics: InferenceMetrics,
@@ -68,6 +70,7 @@ class InferenceService:
         self._engine = engine
         self._loop = loop
         self._resolver = resolver
+        self._tenants = tenants
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._metrics = metrics
@@ -87,11 +90,12 @@ class InferenceService:
             ids = self._tokenizer.encode(request.prompt)
         if not ids:
             raise InvalidArgument("the prompt is empty (set prompt or prompt_token_ids)")
-        adapter = (
-            await self._resolver.resolve(request.adapter_ref, request.caller)
-            if request.adapter_ref
-            else None
-        )
+        if not request.adapter_ref:
+            # No adapter lookup to authenticate the caller: ask the store who they are.
+            await self._tenants.tenant_of(request.caller)
+            return PreparedRequest(request, ids, None)
+        adapter = await self._resolver.resolve(request.adapter_ref, request.caller)
+        self._tenants.remember(request.caller, adapter.tenant)
         return PreparedRequest(request, ids, adapter)
 
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[SequenceOutput]:
@@ -166,6 +170,7 @@ class InferenceService:
     ) -> tuple[LoadedAdapterInfo, float]:
         """Bring `ref` into a GPU slot (and pin it); returns where it is and the load ms."""
         adapter = await self._resolver.resolve(ref, caller)
+        self._tenants.remember(caller, adapter.tenant)
         future: Future[float] = Future()
         ticket = PrefetchTicket(adapter, pin, future)
         await self._loop.run(lambda: self._engine.prefetch(ticket))
@@ -179,20 +184,28 @@ class InferenceService:
         return info, seconds * 1000.0
 
     async def unload_adapter(self, ref: str, caller: Caller = ANONYMOUS) -> bool:
-        """Unpin and drop `name@N`, or every version of `name`, from the GPU and host."""
+        """Unpin and drop the caller's tenant's `name@N`, or every version of `name`, from
+        the GPU and host (also versions the store no longer has)."""
         parsed = parse_ref(ref)
-        adapter = await self._resolver.resolve(ref, caller)
+        tenant = await self._tenants.tenant_of(caller)
 
         def unload() -> bool:
             keys = [
                 (a.tenant, a.name, a.version)
                 for a in self._engine.loaded_adapters()
-                if (a.tenant, a.name) == (adapter.tenant, adapter.name)
+                if (a.tenant, a.name) == (tenant, parsed.name)
                 and (parsed.version is None or a.version == parsed.version)
             ]
             return any([self._engine.unload(key) for key in keys])
 
         return await self._loop.run(unload)
 
-    async def list_loaded(self) -> tuple[list[LoadedAdapterInfo], EngineStats]:
-        return await self._loop.run(lambda: (self._engine.loaded_adapters(), self._engine.stats()))
+    async def list_loaded(
+        self, caller: Caller = ANONYMOUS
+    ) -> tuple[list[LoadedAdapterInfo], EngineStats]:
+        """The caller's tenant's resident adapters, and the replica's slot counts."""
+        tenant = await self._tenants.tenant_of(caller)
+        loaded, stats = await self._loop.run(
+            lambda: (self._engine.loaded_adapters(), self._engine.stats())
+        )
+        return [a for a in loaded if a.tenant == tenant], stats

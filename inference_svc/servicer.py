@@ -128,7 +128,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     @rpc_method
     async def ListLoadedAdapters(self, request, context):  # noqa: N802
-        adapters, stats = await self._service.list_loaded()
+        caller = Caller.from_metadata(context.invocation_metadata())
+        adapters, stats = await self._service.list_loaded(caller)
         return pb.ListLoadedAdaptersResponse(
             adapters=[loaded_adapter_to_proto(a) for a in adapters],
             slots_total=stats.slots_total,

@@ -202,3 +202,13 @@ class AdapterChunk(_message.Message):
     offset: int
     total_size: int
     def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ..., manifest_json: _Optional[bytes] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., total_size: _Optional[int] = ...) -> None: ...
+
+class WhoAmIRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WhoAmIResponse(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...

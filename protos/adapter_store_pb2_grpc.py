@@ -74,6 +74,11 @@ class AdapterStoreStub:
                 request_serializer=protos_dot_adapter__store__pb2.FetchAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_adapter__store__pb2.AdapterChunk.FromString,
                 _registered_method=True)
+        self.WhoAmI = channel.unary_unary(
+                '/loraserve.v1.AdapterStore/WhoAmI',
+                request_serializer=protos_dot_adapter__store__pb2.WhoAmIRequest.SerializeToString,
+                response_deserializer=protos_dot_adapter__store__pb2.WhoAmIResponse.FromString,
+                _registered_method=True)
 
 
 class AdapterStoreServicer:
@@ -132,6 +137,14 @@ class AdapterStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WhoAmI(self, request, context):
+        """The caller's tenant: lets a service acting for a caller authenticate the caller's key
+        without touching an adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdapterStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +187,11 @@ def add_AdapterStoreServicer_to_server(servicer, server):
                     servicer.FetchAdapter,
                     request_deserializer=protos_dot_adapter__store__pb2.FetchAdapterRequest.FromString,
                     response_serializer=protos_dot_adapter__store__pb2.AdapterChunk.SerializeToString,
+            ),
+            'WhoAmI': grpc.unary_unary_rpc_method_handler(
+                    servicer.WhoAmI,
+                    request_deserializer=protos_dot_adapter__store__pb2.WhoAmIRequest.FromString,
+                    response_serializer=protos_dot_adapter__store__pb2.WhoAmIResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +410,33 @@ class AdapterStore:
             '/loraserve.v1.AdapterStore/FetchAdapter',
             protos_dot_adapter__store__pb2.FetchAdapterRequest.SerializeToString,
             protos_dot_adapter__store__pb2.AdapterChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WhoAmI(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraserve.v1.AdapterStore/WhoAmI',
+            protos_dot_adapter__store__pb2.WhoAmIRequest.SerializeToString,
+            protos_dot_adapter__store__pb2.WhoAmIResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -74,14 +74,15 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnloadAdapter(self, request, context):
-        """Unpins and evicts an adapter from the GPU and host cache.
+        """Unpins and evicts an adapter of the caller's tenant from the GPU and host cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListLoadedAdapters(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's tenant's resident adapters (slot counts are the replica's).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -2,7 +2,9 @@
 store when it resolves and fetches adapters, so tenant B cannot generate with (or load)
 tenant A's adapter, and a caller without a known key is refused. Real store and inference
 processes; the replica fetches weights through the store (no S3 of its own), so the fetch
-is checked as the caller too. TLS on both servers with a self-signed certificate."""
+is checked as the caller too. Requests without an adapter (base-model Generate,
+ListLoadedAdapters, UnloadAdapter) are checked through the store's WhoAmI and see the
+caller's tenant only. TLS on both servers with a self-signed certificate."""
 
 from __future__ import annotations
 
@@ -76,8 +78,40 @@ def _check_isolation(stub, tally) -> None:
     b_docs = generate_as(stub, "b-docs", KEY_B)
     assert generate_as(stub, "shared", KEY_B).token_ids == b_docs.token_ids
     assert b_docs.token_ids != a_only.token_ids
-    # The base model needs no adapter and so no store call.
-    assert len(generate_as(stub, "", None).token_ids) == 6
+    _check_base_model_and_control_calls(stub, tally)
+
+
+def listed_as(stub, key: str | None) -> set[str]:
+    request = pb.ListLoadedAdaptersRequest()
+    reply = stub.ListLoadedAdapters(request, timeout=10, metadata=bearer(key))
+    return {f"{a.name}@{a.version}" for a in reply.adapters}
+
+
+def unload_as(stub, ref: str, key: str) -> bool:
+    request = pb.UnloadAdapterRequest(adapter=ref)
+    return stub.UnloadAdapter(request, timeout=10, metadata=bearer(key)).unloaded
+
+
+def _check_base_model_and_control_calls(stub, tally) -> None:
+    """No adapter to look up: the replica asks the store who the caller is (WhoAmI)."""
+    for key in (None, "sk-not-a-key"):
+        code, details = failure_of(lambda key=key: generate_as(stub, "", key))
+        assert code == UNAUTHENTICATED, details
+        tally.add("inference: base-model Generate without a valid key refused")
+        assert failure_of(lambda key=key: listed_as(stub, key))[0] == UNAUTHENTICATED
+        tally.add("inference: ListLoadedAdapters without a valid key refused")
+    assert len(generate_as(stub, "", KEY_A).token_ids) == 6
+    assert len(generate_as(stub, "", KEY_B).token_ids) == 6
+    # Each tenant sees its own resident adapters only (both have a `shared@1`).
+    assert listed_as(stub, KEY_A) == {"a-only@1", "shared@1"}
+    assert listed_as(stub, KEY_B) == {"b-docs@1", "shared@1"}
+    tally.add("inference: ListLoadedAdapters scoped to the caller's tenant", 2)
+    # Unload reaches the caller's tenant only: bravo cannot drop alpha's adapters.
+    assert not unload_as(stub, "a-only", KEY_B)
+    assert unload_as(stub, "shared", KEY_B)
+    assert listed_as(stub, KEY_A) == {"a-only@1", "shared@1"}
+    assert listed_as(stub, KEY_B) == {"b-docs@1"}
+    tally.add("inference: cross-tenant UnloadAdapter has no effect")
 
 
 def test_tls_on_both_servers(tmp_path, redis_url, s3_server, s3_bucket, tally) -> None:

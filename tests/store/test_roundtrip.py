@@ -23,6 +23,7 @@ def test_upload_get_fetch_round_trip(stub, registered, peft_dirs, tiny_config_js
         upload_requests(folder, "chat", description="hello", labels={"team": "a"}), timeout=60
     )
     assert (uploaded.name, uploaded.version, uploaded.tenant) == ("chat", 1, "default")
+    assert stub.WhoAmI(pb.WhoAmIRequest(), timeout=10).tenant == "default"  # no keys: everyone
     assert uploaded.storage_prefix == "tenants/default/adapters/chat/v1/"
     assert uploaded.rank == 4 and uploaded.labels == {"team": "a"}
     assert set(uploaded.target_modules) == {"attn.qkv_a", "attn.q_b", "attn.kv_b", "attn.o"}

@@ -151,6 +151,13 @@ def test_auth_and_tenant_isolation(authed_store, peft_dirs, tiny_config_json) ->
         assert code == grpc.StatusCode.UNAUTHENTICATED
         code, _ = _code(lambda: stub.UploadAdapter(upload_requests(peft_dirs[0], "x"), timeout=10))
         assert code == grpc.StatusCode.UNAUTHENTICATED
+        for key in (None, "wrong"):
+            code, _ = _code(
+                lambda key=key: stub.WhoAmI(pb.WhoAmIRequest(), metadata=_as(key), timeout=10)
+            )
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+        for key, tenant in (("key-acme", "acme"), ("key-globex", "globex")):
+            assert stub.WhoAmI(pb.WhoAmIRequest(), metadata=_as(key), timeout=10).tenant == tenant
 
         stub.RegisterBaseModel(
             pb.RegisterBaseModelRequest(name=BASE_MODEL, config_json=tiny_config_json),
