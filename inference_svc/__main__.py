@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--max-num-seqs", type=int, default=32, help="requests running at once")
     add_flag(serve, "--max-batch-tokens", type=int, default=512, help="token budget per step")
     add_flag(serve, "--max-queue", type=int, default=256, help="waiting requests before refusing")
+    add_flag(
+        serve,
+        "--tenant-max-concurrent",
+        type=int,
+        default=0,
+        help="Generate streams one tenant may run at once on this replica (0: no limit)",
+    )
     add_flag(serve, "--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     add_flag(serve, "--replica-id", default=None, help="residency record id (default host-port)")
     add_flag(
@@ -105,6 +112,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
         ),
         store_address=args.store,
         store_tls_ca=args.store_tls_ca or None,
+        tenant_max_concurrent=args.tenant_max_concurrent,
         replica_id=args.replica_id or f"{host}-{args.port}",
         advertise_address=args.advertise_address or f"{host}:{args.port}",
         redis_url=args.redis_url or None,

@@ -24,6 +24,7 @@ from inference_svc.metrics import InferenceMetrics
 from inference_svc.runtime import Runtime, RuntimeConfig, build_runtime
 from inference_svc.service import InferenceService
 from inference_svc.servicer import InferenceServicer
+from inference_svc.tenant_limits import TenantConcurrencyLimit
 
 log = logging.getLogger("loraserve.inference")
 
@@ -39,6 +40,7 @@ class AppConfig:
     store_tls_ca: str | None = None  # PEM to trust for a TLS store; None: plain TCP
     latest_ttl_s: float = 5.0  # how long `name` → version is trusted without events
     tenant_ttl_s: float = 10.0  # how long the store's key → tenant answer is trusted
+    tenant_max_concurrent: int = 0  # Generate streams per tenant at this replica; 0: no limit
     residency_ttl_s: float = 15.0
     residency_interval_s: float = 5.0
 
@@ -98,6 +100,7 @@ class InferenceApp:
             self.runtime.tokenizer,
             int(self.runtime.hf_config["vocab_size"]),
             self.metrics,
+            TenantConcurrencyLimit(c.tenant_max_concurrent),
         )
         self.servicer = InferenceServicer(service, c.runtime.max_lora_rank)
 

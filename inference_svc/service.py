@@ -31,6 +31,7 @@ from inference_svc.engine.sequence import (
 )
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.tokenizer import Tokenizer
+from inference_svc.tenant_limits import TenantConcurrencyLimit
 
 log = logging.getLogger("loraserve.requests")
 
@@ -50,6 +51,7 @@ class PreparedRequest:
     input: GenerateInput
     prompt_token_ids: list[int]
     adapter: AdapterBinding | None
+    tenant: str  # the caller's tenant (the store said so), for per-tenant limits
 
     @property
     def adapter_version(self) -> int:
@@ -66,6 +68,7 @@ class InferenceService:
         tokenizer: Tokenizer,
         vocab_size: int,
         metrics: InferenceMetrics,
+        tenant_limit: TenantConcurrencyLimit | None = None,
     ) -> None:
         self._engine = engine
         self._loop = loop
@@ -74,6 +77,7 @@ class InferenceService:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._metrics = metrics
+        self._tenant_limit = tenant_limit or TenantConcurrencyLimit(0)
 
     # -- Generate -------------------------------------------------------------------------
 
@@ -92,53 +96,54 @@ class InferenceService:
             raise InvalidArgument("the prompt is empty (set prompt or prompt_token_ids)")
         if not request.adapter_ref:
             # No adapter lookup to authenticate the caller: ask the store who they are.
-            await self._tenants.tenant_of(request.caller)
-            return PreparedRequest(request, ids, None)
+            tenant = await self._tenants.tenant_of(request.caller)
+            return PreparedRequest(request, ids, None, tenant)
         adapter = await self._resolver.resolve(request.adapter_ref, request.caller)
         self._tenants.remember(request.caller, adapter.tenant)
-        return PreparedRequest(request, ids, adapter)
+        return PreparedRequest(request, ids, adapter, adapter.tenant)
 
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[SequenceOutput]:
         """Run the request; yields its outputs as the engine makes them. Raises the
         request's error (after admission: RESOURCE_EXHAUSTED, adapter load failures, …)."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[SequenceOutput] = asyncio.Queue()
-        request = prepared.input
-        seq = Sequence(
-            request.request_id,
-            prepared.prompt_token_ids,
-            request.params,
-            self._tokenizer,
-            self._tokenizer.eos_token_ids,
-            prepared.adapter,
-            sink=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
-        )
-        started = time.monotonic()
-        try:
-            await self._loop.run(lambda: self._engine.add_request(seq))
-        except LoraserveError as error:
-            self._metrics.rejected.labels(error.code.name).inc()
-            raise
-        ended: FinishReason | None = None
-        generated, first_token_s = 0, None
-        try:
-            while True:
-                output = await outputs.get()
-                if output.error is not None:
-                    ended = FinishReason.ERROR
-                    raise output.error
-                if output.token_ids and first_token_s is None:
-                    first_token_s = time.monotonic()
-                generated += len(output.token_ids)
-                ended = output.finish_reason
-                yield output
-                if ended is not None:
-                    return
-        finally:
-            if ended is None:  # the caller went away: free the request's resources now
-                self._loop.call(lambda: self._engine.abort(request.request_id))
-            reason = ended or FinishReason.CANCELLED
-            self._log_request(prepared, reason, generated, started, first_token_s)
+        with self._tenant_limit.hold(prepared.tenant):
+            loop = asyncio.get_running_loop()
+            outputs: asyncio.Queue[SequenceOutput] = asyncio.Queue()
+            request = prepared.input
+            seq = Sequence(
+                request.request_id,
+                prepared.prompt_token_ids,
+                request.params,
+                self._tokenizer,
+                self._tokenizer.eos_token_ids,
+                prepared.adapter,
+                sink=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
+            )
+            started = time.monotonic()
+            try:
+                await self._loop.run(lambda: self._engine.add_request(seq))
+            except LoraserveError as error:
+                self._metrics.rejected.labels(error.code.name).inc()
+                raise
+            ended: FinishReason | None = None
+            generated, first_token_s = 0, None
+            try:
+                while True:
+                    output = await outputs.get()
+                    if output.error is not None:
+                        ended = FinishReason.ERROR
+                        raise output.error
+                    if output.token_ids and first_token_s is None:
+                        first_token_s = time.monotonic()
+                    generated += len(output.token_ids)
+                    ended = output.finish_reason
+                    yield output
+                    if ended is not None:
+                        return
+            finally:
+                if ended is None:  # the caller went away: free the request's resources now
+                    self._loop.call(lambda: self._engine.abort(request.request_id))
+                reason = ended or FinishReason.CANCELLED
+                self._log_request(prepared, reason, generated, started, first_token_s)
 
     @staticmethod
     def _log_request(
