@@ -48,10 +48,6 @@ class PermissionDenied(LoraserveError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
-class Unimplemented(LoraserveError):
-    code = grpc.StatusCode.UNIMPLEMENTED
-
-
 class DataLoss(LoraserveError):
     """Bytes that do not match their checksum (a corrupt or truncated transfer)."""
 

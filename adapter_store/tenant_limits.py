@@ -50,12 +50,15 @@ class ConcurrencyGate:
         return self._in_flight[tenant]
 
     @contextmanager
-    def admit(self, tenant: str, limit: int) -> Iterator[None]:
-        """Hold one of `tenant`'s `limit` places for the block; ResourceExhausted if none."""
+    def admit(
+        self, tenant: str, limit: int, setting: str = "its concurrency limit"
+    ) -> Iterator[None]:
+        """Hold one of `tenant`'s `limit` places for the block; ResourceExhausted if none
+        (the message names `setting`, the knob an operator would raise)."""
         if limit != UNLIMITED and self._in_flight[tenant] >= limit:
             raise ResourceExhausted(
                 f"tenant {tenant!r} already has {limit} requests in flight on this server "
-                "(its concurrency limit); retry when one finishes"
+                f"({setting}); retry when one finishes"
             )
         self._in_flight[tenant] += 1
         try:

@@ -24,7 +24,6 @@ from inference_svc.metrics import InferenceMetrics
 from inference_svc.runtime import Runtime, RuntimeConfig, build_runtime
 from inference_svc.service import InferenceService
 from inference_svc.servicer import InferenceServicer
-from inference_svc.tenant_limits import TenantConcurrencyLimit
 
 log = logging.getLogger("loraserve.inference")
 
@@ -47,6 +46,8 @@ class AppConfig:
     def __post_init__(self) -> None:
         if not self.store_address:
             raise ValueError("store_address must be set")
+        if self.tenant_max_concurrent < 0:
+            raise ValueError(f"tenant_max_concurrent must be ≥ 0, got {self.tenant_max_concurrent}")
 
 
 class InferenceApp:
@@ -100,7 +101,7 @@ class InferenceApp:
             self.runtime.tokenizer,
             int(self.runtime.hf_config["vocab_size"]),
             self.metrics,
-            TenantConcurrencyLimit(c.tenant_max_concurrent),
+            c.tenant_max_concurrent,
         )
         self.servicer = InferenceServicer(service, c.runtime.max_lora_rank)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from adapter_store.errors import InvalidArgument, LoraserveError
 from adapter_store.names import parse_ref
+from adapter_store.tenant_limits import UNLIMITED, ConcurrencyGate
 from inference_svc.adapters.caller import ANONYMOUS, Caller
 from inference_svc.adapters.resolver import AdapterResolver
 from inference_svc.adapters.tenants import CallerTenants
@@ -31,7 +32,6 @@ from inference_svc.engine.sequence import (
 )
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.tokenizer import Tokenizer
-from inference_svc.tenant_limits import TenantConcurrencyLimit
 
 log = logging.getLogger("loraserve.requests")
 
@@ -68,7 +68,7 @@ class InferenceService:
         tokenizer: Tokenizer,
         vocab_size: int,
         metrics: InferenceMetrics,
-        tenant_limit: TenantConcurrencyLimit | None = None,
+        tenant_max_concurrent: int = UNLIMITED,
     ) -> None:
         self._engine = engine
         self._loop = loop
@@ -77,7 +77,9 @@ class InferenceService:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._metrics = metrics
-        self._tenant_limit = tenant_limit or TenantConcurrencyLimit(0)
+        # Per-tenant Generate streams on this replica, counted like the store's RPCs.
+        self._tenant_gate = ConcurrencyGate()
+        self._tenant_max_concurrent = tenant_max_concurrent
 
     # -- Generate -------------------------------------------------------------------------
 
@@ -105,7 +107,9 @@ class InferenceService:
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[SequenceOutput]:
         """Run the request; yields its outputs as the engine makes them. Raises the
         request's error (after admission: RESOURCE_EXHAUSTED, adapter load failures, …)."""
-        with self._tenant_limit.hold(prepared.tenant):
+        with self._tenant_gate.admit(
+            prepared.tenant, self._tenant_max_concurrent, "--tenant-max-concurrent"
+        ):
             loop = asyncio.get_running_loop()
             outputs: asyncio.Queue[SequenceOutput] = asyncio.Queue()
             request = prepared.input

@@ -1,37 +1,43 @@
-"""Per-tenant concurrent Generate streams at one replica (`--tenant-max-concurrent`)."""
+"""Per-tenant concurrent Generate streams at one replica (`--tenant-max-concurrent`), counted
+by the store's `ConcurrencyGate`."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import grpc
 import pytest
 
 from adapter_store.errors import ResourceExhausted
-from inference_svc.tenant_limits import TenantConcurrencyLimit
+from adapter_store.tenant_limits import ConcurrencyGate
 from tests.inference.client import PROMPTS, collect, request
 
 
-def test_limit_counts_per_tenant_and_frees_places() -> None:
-    limit = TenantConcurrencyLimit(2)
-    with limit.hold("a"), limit.hold("a"):
-        with pytest.raises(ResourceExhausted, match="tenant 'a' already has 2"), limit.hold("a"):
+def test_gate_counts_per_tenant_and_frees_places() -> None:
+    gate = ConcurrencyGate()
+    with gate.admit("a", 2), gate.admit("a", 2):
+        with (
+            pytest.raises(ResourceExhausted, match="tenant 'a' already has 2"),
+            gate.admit("a", 2, "--tenant-max-concurrent"),
+        ):
             pass
-        with limit.hold("b"):  # another tenant is not affected
-            assert limit.active("b") == 1
-        assert limit.active("a") == 2
-    assert limit.active("a") == 0
-    with limit.hold("a"):  # places come back, also after a failure inside the block
+        with gate.admit("b", 2):  # another tenant is not affected
+            assert gate.in_flight("b") == 1
+        assert gate.in_flight("a") == 2
+    assert gate.in_flight("a") == 0
+    with gate.admit("a", 2):  # places come back, also after a failure inside the block
         pass
-    with pytest.raises(RuntimeError), limit.hold("a"):
+    with pytest.raises(RuntimeError), gate.admit("a", 2):
         raise RuntimeError("request failed")
-    assert limit.active("a") == 0
+    assert gate.in_flight("a") == 0
 
 
-def test_zero_means_no_limit_and_negative_is_refused() -> None:
-    limit = TenantConcurrencyLimit(0)
-    with limit.hold("a"), limit.hold("a"), limit.hold("a"):
-        assert limit.active("a") == 3
+def test_zero_means_no_limit_and_negative_is_refused(app_config) -> None:
+    gate = ConcurrencyGate()
+    with gate.admit("a", 0), gate.admit("a", 0), gate.admit("a", 0):
+        assert gate.in_flight("a") == 3
     with pytest.raises(ValueError):
-        TenantConcurrencyLimit(-1)
+        replace(app_config, tenant_max_concurrent=-1)
 
 
 def test_replica_refuses_a_tenants_second_stream(start_inference) -> None:
