@@ -1,4 +1,4 @@
-"""Tokenizers (tokenizer.json and byte fallback) and the in-memory tiny model."""
+"""Tokenizers (tokenizer.json and byte fallback) and the `--model tiny` model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from inference_svc.engine.batch import SequenceStep, build_batch
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
 from inference_svc.model.config import parse_config
-from inference_svc.model.tiny import TINY_CONFIG, load_tiny_model
+from inference_svc.model.loader import load_model
+from inference_svc.model.tiny import EMBEDDED_BASE_DIR
 from inference_svc.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
@@ -32,7 +33,8 @@ def test_tokenizer_json_with_chat_template(tmp_path):
             {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
         )
     )
-    config = parse_config({**TINY_CONFIG, "eos_token_id": None})
+    hf_config = json.loads((EMBEDDED_BASE_DIR / "config.json").read_text())
+    config = parse_config({**hf_config, "eos_token_id": None})
     tok = load_tokenizer(tmp_path, config)
     assert isinstance(tok, HFTokenizer)
     assert tok.encode("hello world") == [2, 3]
@@ -43,7 +45,7 @@ def test_tokenizer_json_with_chat_template(tmp_path):
 
 def test_tiny_model_runs_prefill_and_decode_deterministically():
     def greedy(steps: int) -> list[int]:
-        loaded = load_tiny_model(seed=0)
+        loaded = load_model(EMBEDDED_BASE_DIR, device="cpu", dtype=torch.float32)
         runner = ModelRunner(loaded.model, RunnerConfig(num_pages=8, page_size=16))
         ids = loaded.tokenizer.encode("hi there")
         out = []
