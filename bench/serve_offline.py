@@ -39,6 +39,7 @@ from bench.serve_setup import (
     AdapterLibrary,
     ServeBenchConfig,
     adapter_names,
+    add_engine_args,
     build_engine,
     build_model,
     draw_popularity,
@@ -214,14 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, required=True, help="JSON; the PNG goes beside it")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=27, help="decoder layers (V2-Lite: 27)")
+    add_engine_args(parser)
     parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-batch-tokens", type=int, default=8192)
     parser.add_argument(
         "--scenarios",
         nargs="+",
@@ -230,20 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--time-budget", type=float, default=0, help="s; 0: no budget")
     parser.add_argument("--scenario-timeout", type=float, default=300)
-    parser.add_argument("--adapter-dir", type=Path, help="where adapter files go (default tmp)")
-    parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, few requests")
     args = parser.parse_args(argv)
 
-    config = ServeBenchConfig(
-        layers=2 if args.smoke else args.layers,
-        rank=4 if args.smoke else args.rank,
-        prompt_len=16 if args.smoke else args.prompt_len,
-        output_len=4 if args.smoke else args.output_len,
-        max_num_seqs=4 if args.smoke else args.max_num_seqs,
-        max_batch_tokens=64 if args.smoke else args.max_batch_tokens,
-        max_loras=2 if args.smoke else 64,
-        smoke=args.smoke,
-    )
+    config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=2)
     requests = 6 if args.smoke else args.requests
     # Named scenarios run in the order given (e.g. the no-LoRA baseline after a warm one).
     by_label = {s.label: s for s in SCENARIOS}

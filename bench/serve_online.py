@@ -42,6 +42,7 @@ from bench.serve_setup import (
     AdapterLibrary,
     ServeBenchConfig,
     adapter_names,
+    add_engine_args,
     build_engine,
     build_model,
     host_bytes_note,
@@ -244,36 +245,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, required=True, help="JSON; the PNG goes beside it")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=27, help="decoder layers (V2-Lite: 27)")
+    add_engine_args(parser)
     parser.add_argument("--adapters", type=int, default=32, help="warm adapters of the LoRA runs")
     parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 16.0])
     parser.add_argument("--duration", type=float, default=20.0, help="s of arrivals per run")
     parser.add_argument("--cold-rate", type=float, default=4.0)
     parser.add_argument("--probes", type=int, default=8, help="cold probes of each kind")
     parser.add_argument("--probe-interval", type=float, default=1.0)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--drain-timeout", type=float, default=120.0)
-    parser.add_argument("--adapter-dir", type=Path, help="where adapter files go (default tmp)")
-    parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, short runs")
     args = parser.parse_args(argv)
     if args.smoke:
         args.rates, args.duration, args.cold_rate = [2.0], 1.0, 1.0
         args.probes, args.probe_interval, args.adapters = 1, 0.5, 2
 
-    config = ServeBenchConfig(
-        layers=2 if args.smoke else args.layers,
-        rank=4 if args.smoke else args.rank,
-        prompt_len=16 if args.smoke else args.prompt_len,
-        output_len=4 if args.smoke else args.output_len,
-        max_num_seqs=4 if args.smoke else args.max_num_seqs,
-        max_batch_tokens=64 if args.smoke else 8192,
-        max_loras=6 if args.smoke else 64,
-        smoke=args.smoke,
-    )
+    config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=6)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         library = AdapterLibrary((args.adapter_dir or Path(tmp)) / f"rank{config.rank}", config)

@@ -17,6 +17,7 @@ GPU slot and its own host → GPU slot load.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import time
@@ -62,6 +63,21 @@ ADAPTER_STD = 0.02
 HOST_CACHE_LOGICAL_GB = 1 << 20
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The flags both serving benchmarks share (model, adapters, batch shape, output)."""
+    parser.add_argument("--out", type=Path, required=True, help="JSON; the PNG goes beside it")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument(
+        "--layers", type=int, default=FULL_LAYERS, help="decoder layers (V2-Lite: 27)"
+    )
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--adapter-dir", type=Path, help="where adapter files go (default tmp)")
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, short runs")
+
+
 @dataclass(frozen=True)
 class ServeBenchConfig:
     """One engine of the serving benchmarks. `smoke`: tiny shapes in float32 on the CPU."""
@@ -86,6 +102,31 @@ class ServeBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_batch_tokens < self.max_num_seqs:
             raise ValueError("max_batch_tokens must be >= max_num_seqs")
+
+    @classmethod
+    def from_args(
+        cls, args: argparse.Namespace, smoke_max_batch_tokens: int, smoke_max_loras: int
+    ) -> ServeBenchConfig:
+        """The config `add_engine_args`' flags describe; `--smoke` swaps in tiny shapes."""
+        if not args.smoke:
+            return cls(
+                layers=args.layers,
+                rank=args.rank,
+                prompt_len=args.prompt_len,
+                output_len=args.output_len,
+                max_num_seqs=args.max_num_seqs,
+                max_batch_tokens=args.max_batch_tokens,
+            )
+        return cls(
+            layers=2,
+            rank=4,
+            prompt_len=16,
+            output_len=4,
+            max_num_seqs=4,
+            max_batch_tokens=smoke_max_batch_tokens,
+            max_loras=smoke_max_loras,
+            smoke=True,
+        )
 
     @property
     def device(self) -> str:
