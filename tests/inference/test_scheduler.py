@@ -126,6 +126,11 @@ def drain(scheduler: Scheduler) -> None:
 
 def test_round_robin_over_adapters_lets_a_cold_adapter_in() -> None:
     scheduler, _, _ = make_scheduler(num_slots=2, max_num_seqs=3)
+    # Both adapters resident first: otherwise the step that admits depends on which of the
+    # two background downloads lands first (a race in the test, not in the scheduler).
+    for warm in (seq("hot"), seq("cold")):
+        scheduler.add(warm)
+    drain(scheduler)
     hot = [seq("hot") for _ in range(10)]
     cold, base = seq("cold"), seq(None)
     for s in [*hot, cold, base]:
