@@ -117,12 +117,13 @@ class LLMEngine:
             return 0
         for load in out.slot_loads:
             load.wait_on()
-        results = self._run(out.scheduled)
-        self._postprocess(results)
+        # Observed before the outputs leave, so a client that reads the metrics once its
+        # stream ends finds its last step counted.
         self.metrics.batch_tokens.observe(out.num_tokens)
         self.metrics.batch_seqs.observe(len(out.scheduled))
         adapters = {s.seq.adapter_key for s in out.scheduled} - {None}
         self.metrics.batch_adapters.observe(len(adapters))
+        self._postprocess(self._run(out.scheduled))
         self._update_gauges()
         return out.num_tokens
 
@@ -260,6 +261,9 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(seq, reason)
         self.metrics.requests.labels(_adapter_label(seq), reason.value).inc()
+        # Before the final output leaves: a client that reads the metrics after its stream
+        # ends sees its pages freed, and an abort while idle has no later step to do it.
+        self._update_gauges()
 
     def _fail_step(self, seq: Sequence, exc: Exception) -> None:
         log.error("request %s failed in its step", seq.request_id, exc_info=exc)
