@@ -4,7 +4,8 @@ Each patch swaps one module attribute the model reads at call time for the v1 (p
 `bkperf`) implementation, which is also the torch reference the tests use, so "v1" is
 exactly the code measured in bench/results/model_decode_v1.json (up to the MLA grid
 order). Variant "v2" is the code as it is; "v2-x" is v2 with patch x reverted, so the
-difference to v2 is what change x bought.
+difference to v2 is what change x bought; "v2+y" is v2 with upgrade y (a kernel not yet
+the default), so the difference is what y would buy.
 """
 
 from __future__ import annotations
@@ -34,12 +35,21 @@ PATCHES = {
     "rope": (rope_layer, "rope", rope_ref),  # 9 torch kernels instead of 1
     "align": (fm, "moe_align", fm.moe_align_ref),  # ~35 torch kernels instead of 1
     "block_m": (fm, "moe_block_m", block_m_v1),  # 16-row tiles at every batch
-    "mla": (mla_layer, "mla_decode", functools.partial(mla_decode, config=MLA_DECODE_CONFIGS[0])),
+    "mla": (
+        mla_layer,
+        "mla_decode",
+        functools.partial(mla_decode, config=MLA_DECODE_CONFIGS[0], variant="v2"),
+    ),  # fmt: skip
+    # The v2 kernel at every head count (v3 became the default for ≤ 32 heads).
+    "mla_v3": (mla_layer, "mla_decode", functools.partial(mla_decode, variant="v2")),
 }
+# name → (module, attribute, value): kernels newer than v2, not yet the model's default.
+UPGRADES: dict[str, tuple] = {}
 VARIANTS: dict[str, frozenset[str]] = {
     "v1": frozenset(PATCHES),
     "v2": frozenset(),
     **{f"v2-{name}": frozenset({name}) for name in PATCHES},
+    **{f"v2+{name}": frozenset({name}) for name in UPGRADES},
 }
 
 
@@ -50,6 +60,6 @@ def kernel_variant(name: str) -> Iterator[None]:
         raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
     with ExitStack() as stack:
         for patch in sorted(VARIANTS[name]):
-            module, attribute, value = PATCHES[patch]
+            module, attribute, value = {**PATCHES, **UPGRADES}[patch]
             stack.enter_context(mock.patch.object(module, attribute, value))
         yield

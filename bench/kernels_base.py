@@ -3,6 +3,7 @@ block-scaled, INT8 w8a8, 4-bit weight-only experts), FP8 block GEMM.
 
     python -m bench.kernels_base --json out.json --plot out.png          # GPU
     python -m bench.kernels_base --json out.json --plot out.png --smoke  # CPU setup check
+    python -m bench.kernels_base --json out.json --plot out.png --mla-variants  # MLA v2 vs v3
 
 Each row: one setup, provider `triton` (our launchers) and, where it is affordable,
 `torch` (the `*_ref` the tests use). Achieved bandwidth = bytes the op must read + write ÷
@@ -33,6 +34,7 @@ from kernels import fp8
 from kernels import fused_moe as fm
 from kernels import int_quant as iq
 from kernels import mla_attention as mla
+from kernels import mla_decode_v3 as v3
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,11 @@ class Case:
     providers: dict[str, Callable[[], object]]
 
 
-def mla_decode_case(batch, heads, context, dtype, device, with_ref) -> Case:
-    latent, rope, page_size = 512, 64, 64
+def mla_decode_case(
+    batch, heads, context, dtype, device, with_ref, page_size=64, variants=False
+) -> Case:
+    """`variants`: also time v3 (its default plan and each named plan, `v3:<plan>`)."""
+    latent, rope = 512, 64
     pages = batch * (context // page_size)
     kv = torch.randn(pages, page_size, latent + rope, device=device, dtype=dtype)
     table = torch.arange(pages, device=device, dtype=torch.int32).view(batch, -1)
@@ -56,15 +61,43 @@ def mla_decode_case(batch, heads, context, dtype, device, with_ref) -> Case:
     args = (q_lat, q_rope, kv, table, lens, 0.1)
     providers = {}
     if device.type == "cuda":
-        providers["triton"] = graphed(lambda: mla.mla_decode(*args))
+        providers["triton"] = graphed(lambda: mla.mla_decode(*args, variant="v2"))
         v1 = mla.MLA_DECODE_CONFIGS[0]
-        providers["triton_v1"] = graphed(lambda: mla.mla_decode(*args, config=v1))
+        providers["triton_v1"] = graphed(lambda: mla.mla_decode(*args, config=v1, variant="v2"))
+    if variants and device.type == "cuda":
+        providers.update(mla_v3_providers(args, heads))
     if with_ref:
         providers["torch"] = lambda: mla.mla_decode_ref(*args)
     element = kv.element_size()
     moved = kv.numel() * element + 2 * q_lat.numel() * element + q_rope.numel() * element
     flops = 2 * batch * heads * context * (2 * latent + rope)
-    return Case(f"mla_decode H{heads} B{batch} ctx{context}", moved, flops, providers)
+    name = f"mla_decode H{heads} B{batch} ctx{context}"
+    return Case(name + (f" page{page_size}" if page_size != 64 else ""), moved, flops, providers)
+
+
+def mla_v3_providers(args, heads) -> dict[str, Callable[[], object]]:
+    """v3 with its default plan, then each plan whose head tile fits the head count."""
+    providers = {"v3": graphed(lambda: mla.mla_decode(*args, variant="v3"))}
+    for name, plan in v3.MLA_DECODE_V3_CONFIGS.items():
+        if plan.kwargs["BLOCK_H"] <= max(16, heads):
+            providers[f"v3:{name}"] = graphed(
+                lambda plan=plan: mla.mla_decode(*args, variant="v3", config=plan)
+            )
+    return providers
+
+
+def mla_variant_cases(smoke: bool, device: torch.device) -> Iterator[Case]:
+    """v2 (as the model runs it) beside v3 at the model's page size 16: V2-Lite's 16 heads
+    and V3 / Kimi-K2's 128, batch 1 / 64 / 256, context 512 / 4096."""
+    if smoke:
+        yield mla_decode_case(2, 16, 128, torch.float32, device, True, 16, variants=True)
+        return
+    for heads in (16, 128):
+        for batch in (1, 64, 256):
+            for context in (512, 4096):
+                yield mla_decode_case(
+                    batch, heads, context, torch.bfloat16, device, False, 16, variants=True
+                )
 
 
 def moe_case(tokens, hidden, inter, experts, top_k, quant, device, with_ref) -> Case:
@@ -170,11 +203,17 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--plot", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, torch refs, CPU")
+    parser.add_argument(
+        "--mla-variants",
+        action="store_true",
+        help="only the MLA decode rows, v2 vs v3 and each v3 plan (kernels/mla_decode_v3.py)",
+    )
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     bandwidth, flops_ceiling = copy_bandwidth(device), matmul_flops(device)
     rows = []
-    for case in cases(args.smoke, device):
+    setups = mla_variant_cases if args.mla_variants else cases
+    for case in setups(args.smoke, device):
         for provider, fn in case.providers.items():
             ms = time_ms(fn, device)
             gbps = case.bytes / (ms * 1e-3) / 1e9
@@ -195,7 +234,7 @@ def main() -> None:
             if case.name.startswith("mla_decode") and provider == "triton":
                 rows[-1]["config"] = str(mla._mla_decode_tuned.best_config)
             print(
-                f"{case.name:42s} {provider:18s} {ms * 1e3:10.1f} µs  {gbps:8.1f} GB/s "
+                f"{case.name:42s} {provider:20s} {ms * 1e3:10.1f} µs  {gbps:8.1f} GB/s "
                 f"({gbps * 1e9 / bandwidth:5.1%} of copy)  {tflops:7.2f} TFLOP/s"
             )
     meta = {
@@ -204,12 +243,14 @@ def main() -> None:
         "bf16_matmul_flop_per_s": flops_ceiling,
     }
     write_json(args.json, meta, rows)
-    triton_rows = [r for r in rows if r["provider"] == ("torch" if args.smoke else "triton")]
+    plotted = ("torch",) if args.smoke else ("triton", "v3") if args.mla_variants else ("triton",)
+    setups_run = list(dict.fromkeys(r["setup"] for r in rows))
+    fraction = {(r["setup"], r["provider"]): r["bandwidth_fraction"] for r in rows}
     bar_plot(
         args.plot,
         f"base kernels: achieved fraction of copy bandwidth ({meta['device']})",
-        [r["setup"] for r in triton_rows],
-        {"bandwidth fraction": [r["bandwidth_fraction"] for r in triton_rows]},
+        setups_run,
+        {p: [fraction.get((setup, p), 0.0) for setup in setups_run] for p in plotted},
         "fraction of measured copy bandwidth",
     )
 

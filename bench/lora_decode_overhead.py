@@ -41,6 +41,7 @@ import torch
 from adapter_store.format import model_lora_shapes
 from bench.gpu_timing import device_name, time_ms
 from bench.model_decode import SMOKE_OVERRIDES, V2_LITE_Q_LORA, random_model
+from bench.step_profile import profile_step
 from inference_svc.engine.batch import BatchMetadata, SequenceStep, build_batch
 from inference_svc.engine.kv_pages import pages_for
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
@@ -162,22 +163,26 @@ class StepRow:
     adapters: int
     base_us: float
     lora_us: float
+    profile: dict[str, Any] | None = None
 
     @property
     def overhead(self) -> float:
         return self.lora_us / self.base_us - 1.0
 
 
-def measure_steps(setup: Setup, batches: tuple[int, ...]) -> list[StepRow]:
+def measure_steps(setup: Setup, batches: tuple[int, ...], profile: bool) -> list[StepRow]:
+    """Base and LoRA step per batch; with `profile`, the µs per kernel class of both."""
     rows = []
     for size in batches:
         adapters = min(size, setup.num_slots)
-        times = []
-        for count in (0, adapters):
+        times, profiles = [], {}
+        for label, count in (("base", 0), ("lora", adapters)):
             input_ids, batch = decode_batch(setup, size, count)
             step = functools.partial(setup.runner.execute, input_ids, batch)
             times.append(1e3 * time_ms(step, setup.runner.device))
-        rows.append(StepRow(size, adapters, *times))
+            if profile:
+                profiles[label] = profile_step(step, setup.runner.device)
+        rows.append(StepRow(size, adapters, *times, profile=profiles or None))
         print(
             f"decode B={size:<4} adapters={adapters:<3} base {times[0]:9.1f} µs  "
             f"LoRA {times[1]:9.1f} µs  overhead {rows[-1].overhead:+.1%}"
@@ -235,7 +240,7 @@ def plot(results: dict[str, Any], png_path: Path) -> None:
     print(f"plot: {png_path}")
 
 
-def run(out: Path, layers: int, context: int, variants: list[str]) -> None:
+def run(out: Path, layers: int, context: int, variants: list[str], profile: bool) -> None:
     start = time.perf_counter()
     setup = make_setup(v2_lite_config(layers), "cuda", context, BATCHES, graphs=False)
     measured = {}
@@ -247,7 +252,7 @@ def run(out: Path, layers: int, context: int, variants: list[str]) -> None:
             del runner
             setup.runner.capture_decode_graphs()
             print(f"[{name}] graphs captured at {time.perf_counter() - start:.0f} s")
-            rows = measure_steps(setup, BATCHES)
+            rows = measure_steps(setup, BATCHES, profile)
             measured[name] = {
                 "decode": [{**asdict(r), "overhead": r.overhead} for r in rows],
                 "moe": measure_moe(setup),
@@ -303,11 +308,14 @@ def main() -> None:
         "--variants", nargs="+", default=["new"], choices=list(KERNEL_SETS),
         help="kernel sets to time side by side",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true", help="also record µs per kernel class (torch profiler)"
+    )
     args = parser.parse_args()
     if args.smoke:
         smoke()
     elif args.out:
-        run(args.out, args.layers, args.context, args.variants)
+        run(args.out, args.layers, args.context, args.variants, args.profile)
     else:
         parser.error("give --out or --smoke")
 

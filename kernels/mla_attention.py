@@ -20,6 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import mla_decode_v3 as v3
+from kernels.mla_decode_parts import (
+    masked_tile,
+    online_softmax_step,
+    paged_rows,
+    split_range,
+)
+
 
 def gather_paged_rows(
     kv_pool: torch.Tensor, page_table_row: torch.Tensor, length: int
@@ -73,21 +81,13 @@ def _mla_decode_kernel(
     head_mask = heads < H
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
-    q_lat = tl.load(
-        q_lat_ptr + b * stride_qlb + heads[:, None] * stride_qlh + offs_c[None, :],
-        mask=head_mask[:, None] & (offs_c[None, :] < C),
-        other=0.0,
+    q_lat = masked_tile(
+        q_lat_ptr + b * stride_qlb, heads * stride_qlh, head_mask, offs_c, C
     )  # [BLOCK_H, BLOCK_C]
-    q_rope = tl.load(
-        q_rope_ptr + b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
-        mask=head_mask[:, None] & (offs_r[None, :] < R),
-        other=0.0,
+    q_rope = masked_tile(
+        q_rope_ptr + b * stride_qrb, heads * stride_qrh, head_mask, offs_r, R
     )  # [BLOCK_H, BLOCK_R]
-    ctx = tl.load(ctx_ptr + b)
-    per_split = (ctx + NUM_SPLITS - 1) // NUM_SPLITS
-    split_len = (per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T
-    start = split * split_len
-    end = tl.minimum(start + split_len, ctx)
+    start, end = split_range(ctx_ptr, b, split, NUM_SPLITS, BLOCK_T)
 
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_H,), tl.float32)
@@ -95,26 +95,14 @@ def _mla_decode_kernel(
     for t0 in range(start, end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_mask = t < end
-        page = tl.load(page_table_ptr + b * stride_ptb + t // PAGE_SIZE, mask=t_mask, other=0)
-        row = page.to(tl.int64) * stride_kvp + (t % PAGE_SIZE) * stride_kvs
-        latent = tl.load(
-            kv_ptr + row[:, None] + offs_c[None, :],
-            mask=t_mask[:, None] & (offs_c[None, :] < C),
-            other=0.0,
-        )  # [BLOCK_T, BLOCK_C]
-        k_rope = tl.load(
-            kv_ptr + row[:, None] + C + offs_r[None, :],
-            mask=t_mask[:, None] & (offs_r[None, :] < R),
-            other=0.0,
-        )  # [BLOCK_T, BLOCK_R]
+        row = paged_rows(
+            page_table_ptr, b, stride_ptb, t, t_mask, stride_kvp, stride_kvs, PAGE_SIZE
+        )
+        latent = masked_tile(kv_ptr, row, t_mask, offs_c, C)  # [BLOCK_T, BLOCK_C]
+        k_rope = masked_tile(kv_ptr + C, row, t_mask, offs_r, R)  # [BLOCK_T, BLOCK_R]
         s = tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(k_rope))
-        s = tl.where(t_mask[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_T]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, axis=1)
+        p, alpha, m, denom = online_softmax_step(s, t_mask, scale, m, denom)
         acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
-        m = m_new
 
     has_tokens = start < end
     safe_denom = tl.where(has_tokens, denom, 1.0)
@@ -139,6 +127,8 @@ def _mla_decode_merge_kernel(
     lse_max = float("-inf")
     for s in range(NUM_SPLITS):
         lse_max = tl.maximum(lse_max, tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + s))
+    # Every split empty (context 0): the weights below are all 0 and o_lat is 0.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     total = 0.0
     acc = tl.zeros((BLOCK_C,), tl.float32)
     for s in range(NUM_SPLITS):
@@ -153,7 +143,7 @@ def _mla_decode_merge_kernel(
         total += weight
     tl.store(
         out_ptr + b * stride_outb + h * stride_outh + offs_c,
-        (acc / total).to(out_ptr.dtype.element_ty),
+        (acc / tl.where(total > 0.0, total, 1.0)).to(out_ptr.dtype.element_ty),
         mask=offs_c < C,
     )
 
@@ -195,6 +185,18 @@ def default_num_splits(batch: int, heads: int) -> int:
     return max(1, min(16, triton.cdiv(264, programs)))
 
 
+MLA_DECODE_VARIANTS = ("v2", "v3")
+# Up to this many heads v3 is the faster kernel: H100, 2026-11-22 (bench.kernels_base
+# --mla-variants), H16 v3 ÷ v2 = 0.87 at B256 ctx512, 0.73 at B64 ctx4096, 1.4 at B1 ctx512
+# (12 → 18 µs); H128 v2 wins at ctx 4096 (411 vs 510 µs at B64). docs/benchmarks.md.
+V3_MAX_HEADS = 32
+
+
+def default_decode_variant(heads: int) -> str:
+    """The measured-faster decode kernel for this head count (see V3_MAX_HEADS)."""
+    return "v3" if heads <= V3_MAX_HEADS else "v2"
+
+
 def mla_decode(
     q_lat: torch.Tensor,
     q_rope: torch.Tensor,
@@ -204,13 +206,21 @@ def mla_decode(
     scale: float,
     num_splits: int | None = None,
     config: triton.Config | None = None,
+    variant: str | None = None,
 ) -> torch.Tensor:
     """Triton version of `mla_decode_ref` (same arguments; `num_splits` = split-K factor).
 
-    `config`: one of MLA_DECODE_CONFIGS to launch with; None races them once per shape on
-    CUDA, and runs the v1 configuration MLA_DECODE_CONFIGS[0] elsewhere (interpreter).
+    `variant`: "v2" (`_mla_decode_kernel`) or "v3" (`kernels.mla_decode_v3`: output latent
+    split over programs, no merge launch when one split suffices); None picks
+    `default_decode_variant(heads)`.
+    `config`: the tile plan. v2: one of MLA_DECODE_CONFIGS; None races them once per shape
+    on CUDA and runs the v1 configuration MLA_DECODE_CONFIGS[0] elsewhere (interpreter).
+    v3: one of MLA_DECODE_V3_CONFIGS; None takes `default_v3_config(heads)`.
     """
     batch, heads, latent_dim = q_lat.shape
+    variant = variant or default_decode_variant(heads)
+    if variant not in MLA_DECODE_VARIANTS:
+        raise ValueError(f"unknown MLA decode variant {variant!r}; known: {MLA_DECODE_VARIANTS}")
     rope_dim = q_rope.shape[-1]
     pages, page_size, width = kv_pool.shape
     if width != latent_dim + rope_dim or q_rope.shape[:2] != (batch, heads):
@@ -222,16 +232,44 @@ def mla_decode(
         raise ValueError("page_table / context_lens must have one row per sequence")
     if q_lat.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_pool.stride(-1) != 1:
         raise ValueError("q_lat, q_rope and kv_pool need unit stride in the last dim")
-    splits = num_splits or default_num_splits(batch, heads)
+    args = (q_lat, q_rope, kv_pool, page_table, context_lens, scale)
+    out = torch.empty_like(q_lat)
+    if variant == "v3":
+        config = config or v3.default_v3_config(heads)
+        splits = num_splits or v3.v3_num_splits(batch, heads, latent_dim, config)
+    else:
+        splits = num_splits or default_num_splits(batch, heads)
+    if batch == 0:
+        return out
+    if variant == "v3" and splits == 1:  # the kernel normalises and writes `out` itself
+        v3.launch_mla_decode_v3(*args, out, None, None, config)
+        return out
     o_part = torch.empty(
         (batch, heads, splits, latent_dim), dtype=torch.float32, device=q_lat.device
     )
     lse_part = torch.empty((batch, heads, splits), dtype=torch.float32, device=q_lat.device)
-    out = torch.empty_like(q_lat)
-    if batch == 0:
-        return out
+    if variant == "v3":
+        v3.launch_mla_decode_v3(*args, out, o_part, lse_part, config)
+    else:
+        _launch_v2(*args, o_part, lse_part, config)
     block_c = triton.next_power_of_2(latent_dim)
-    block_r = max(16, triton.next_power_of_2(rope_dim))
+    _mla_decode_merge_kernel[(batch, heads)](
+        o_part, lse_part, out,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        C=latent_dim, BLOCK_C=block_c, NUM_SPLITS=splits,
+    )  # fmt: skip
+    return out
+
+
+def _launch_v2(
+    q_lat, q_rope, kv_pool, page_table, context_lens, scale, o_part, lse_part, config
+) -> None:
+    """`_mla_decode_kernel` into the partials o_part [B, H, splits, C] / lse_part [B, H, splits]."""
+    batch, heads, latent_dim = q_lat.shape
+    splits = o_part.shape[2]
+    block_c = triton.next_power_of_2(latent_dim)
+    block_r = max(16, triton.next_power_of_2(q_rope.shape[-1]))
     args = (
         q_lat, q_rope, kv_pool, page_table, context_lens, o_part, lse_part,
         triton.next_power_of_2(batch), heads, scale,
@@ -240,30 +278,23 @@ def mla_decode(
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
     )  # fmt: skip
-    shape = {"C": latent_dim, "R": rope_dim, "BLOCK_C": block_c, "BLOCK_R": block_r,
-             "PAGE_SIZE": page_size, "NUM_SPLITS": splits}  # fmt: skip
+    shape = {"C": latent_dim, "R": q_rope.shape[-1], "BLOCK_C": block_c, "BLOCK_R": block_r,
+             "PAGE_SIZE": kv_pool.shape[1], "NUM_SPLITS": splits}  # fmt: skip
 
     def grid(meta):
         return (triton.cdiv(heads, meta["BLOCK_H"]), splits, batch)
 
     if config is None and q_lat.is_cuda:
         _mla_decode_tuned[grid](*args, **shape)
-    else:
-        config = config or MLA_DECODE_CONFIGS[0]
-        block_t = config.kwargs["BLOCK_T"]
-        if config is MLA_DECODE_CONFIGS[0] and block_c <= 256:
-            block_t = 32  # v1's rule for narrow latents
-        _mla_decode_kernel[grid](
-            *args, **shape, BLOCK_H=config.kwargs["BLOCK_H"], BLOCK_T=block_t,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )  # fmt: skip
-    _mla_decode_merge_kernel[(batch, heads)](
-        o_part, lse_part, out,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        C=latent_dim, BLOCK_C=block_c, NUM_SPLITS=splits,
+        return
+    config = config or MLA_DECODE_CONFIGS[0]
+    block_t = config.kwargs["BLOCK_T"]
+    if config is MLA_DECODE_CONFIGS[0] and block_c <= 256:
+        block_t = 32  # v1's rule for narrow latents
+    _mla_decode_kernel[grid](
+        *args, **shape, BLOCK_H=config.kwargs["BLOCK_H"], BLOCK_T=block_t,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return out
 
 
 def mla_prefill_ref(

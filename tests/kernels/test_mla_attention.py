@@ -48,7 +48,7 @@ def test_mla_decode_matches_ref(dtype, heads, latent, rope, page_size, lens, spl
     ctx = torch.tensor(lens, dtype=torch.int32)
     scale = (latent + rope) ** -0.5
     args = [t.to(DEVICE) for t in (q_lat, q_rope, pool, table, ctx)]
-    ours = mla.mla_decode(*args, scale, num_splits=splits)
+    ours = mla.mla_decode(*args, scale, num_splits=splits, variant="v2")
     ref = mla.mla_decode_ref(q_lat.float(), q_rope.float(), pool.float(), table, ctx, scale)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(ours.float().cpu(), ref, atol=atol, rtol=rtol)
@@ -64,7 +64,9 @@ def test_each_raced_config_matches_ref(config):
     q_rope = torch.randn(len(lens), heads, rope, generator=g)
     ctx = torch.tensor(lens, dtype=torch.int32)
     args = [t.to(DEVICE) for t in (q_lat, q_rope, pool, table, ctx)]
-    ours = mla.mla_decode(*args, 0.1, num_splits=2, config=mla.MLA_DECODE_CONFIGS[config])
+    ours = mla.mla_decode(
+        *args, 0.1, num_splits=2, config=mla.MLA_DECODE_CONFIGS[config], variant="v2"
+    )
     ref = mla.mla_decode_ref(q_lat, q_rope, pool, table, ctx, 0.1)
     torch.testing.assert_close(ours.cpu(), ref, atol=2e-5, rtol=1e-5)
 
@@ -88,12 +90,12 @@ def test_tuned_mla_decode_matches_ref_on_gpu(heads, lens):
         if config.kwargs["BLOCK_H"] > max(16, heads):
             continue
         try:
-            ours = mla.mla_decode(*args, scale, config=config)
+            ours = mla.mla_decode(*args, scale, config=config, variant="v2")
         except OutOfResources:  # the race skips such configs the same way; v1's must fit
             assert config is not mla.MLA_DECODE_CONFIGS[0]
             continue
         torch.testing.assert_close(ours.float().cpu(), ref, atol=2e-2, rtol=2e-2, msg=str(config))
-    ours = mla.mla_decode(*args, scale)  # the raced choice
+    ours = mla.mla_decode(*args, scale, variant="v2")  # the raced choice
     torch.testing.assert_close(ours.float().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 

@@ -6,6 +6,7 @@ against a cached prefix, and prefill + decode sequences mixed in one flattened s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import pytest
@@ -82,14 +83,16 @@ def test_stepwise_decode_matches_full_forward(spec, tiny_checkpoint):
     check_scenario(tiny_checkpoint(spec), [14, 19, 9], [7, 8, 0], [1, 4, 3])
 
 
-def test_triton_kernels_in_the_model_match_transformers(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("mla_variant", ["v2", "v3"])
+def test_triton_kernels_in_the_model_match_transformers(tiny_checkpoint, monkeypatch, mla_variant):
     """The same scenario with the CPU path routed through the Triton launchers (interpreted
     on CPU): checks the kernels' integration (strides, slicing, padding) end to end."""
     from inference_svc.layers import mla as mla_layer
     from kernels import fp8, mla_attention
     from kernels import fused_moe as fm
 
-    monkeypatch.setattr(mla_layer, "mla_decode_ref", mla_attention.mla_decode)
+    decode = functools.partial(mla_attention.mla_decode, variant=mla_variant)
+    monkeypatch.setattr(mla_layer, "mla_decode_ref", decode)
     monkeypatch.setattr(mla_layer, "mla_prefill_ref", mla_attention.mla_prefill)
     for name in ("grouped_gemm", "silu_mul", "moe_combine"):
         monkeypatch.setattr(fm, f"{name}_ref", getattr(fm, name))
