@@ -17,7 +17,8 @@ cost ≤ 0.25.
 
 `--variants` times several kernel sets side by side on one model and pool (graphs are
 recaptured per set, the no-LoRA step is timed again each time: the spread of the base
-times is the run's noise). `v1` is the kernels as first measured, `new` the defaults.
+times is the run's noise). `v1` is the kernels as first measured, `two_launch` the defaults
+with SGMV as separate shrink and expand launches, `new` the defaults.
 
     python -m bench.lora_decode_overhead --out bench/results/lora_decode_overhead.json \
         --variants v1 new
@@ -58,23 +59,33 @@ RANK = 16
 MOE_BATCH, MOE_ADAPTERS = 64, 8
 PAGE_SIZE = 16
 GOAL_OVERHEAD, GOAL_MOE_RATIO = 0.15, 0.25
-# Kernel sets: launcher name in inference_svc.lora.apply -> (launcher, variant).
-KERNEL_SETS: dict[str, dict[str, tuple[Callable[..., Any], str]]] = {
+
+
+def _never(*args: Any) -> bool:
+    return False
+
+
+# Kernel sets: name in inference_svc.lora.apply -> what it is replaced with.
+# v1: the MoE LoRA "runs" kernels and the two-launch SGMV path; two_launch: today's
+# defaults but SGMV as shrink + expand (no fused decode kernel); new: the defaults.
+KERNEL_SETS: dict[str, dict[str, Callable[..., Any]]] = {
     "v1": {
-        "moe_lora_gate_up": (moe_lora_gate_up, "runs"),
-        "moe_lora_down": (moe_lora_down, "runs"),
+        "moe_lora_gate_up": functools.partial(moe_lora_gate_up, variant="runs"),
+        "moe_lora_down": functools.partial(moe_lora_down, variant="runs"),
+        "fused_sgmv_applies": _never,
     },
+    "two_launch": {"fused_sgmv_applies": _never},
     "new": {},
 }
 
 
 @contextlib.contextmanager
 def kernel_set(name: str) -> Iterator[None]:
-    """Route the model's LoRA deltas through the launcher variants of set `name`."""
+    """Route the model's LoRA deltas through the launchers of set `name`."""
     chosen = KERNEL_SETS[name]
     saved = {attr: getattr(apply, attr) for attr in chosen}
-    for attr, (launcher, variant) in chosen.items():
-        setattr(apply, attr, functools.partial(launcher, variant=variant))
+    for attr, replacement in chosen.items():
+        setattr(apply, attr, replacement)
     try:
         yield
     finally:

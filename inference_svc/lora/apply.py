@@ -28,7 +28,9 @@ from kernels.moe_lora import (
     moe_lora_gate_up,
     moe_lora_gate_up_ref,
 )
-from kernels.sgmv import sgmv_expand, sgmv_expand_ref, sgmv_shrink, sgmv_shrink_ref
+from kernels.sgmv import sgmv_shrink_expand
+from kernels.sgmv_fused import fused_applies as fused_sgmv_applies
+from kernels.sgmv_fused import sgmv_fused, sgmv_fused_ref
 
 
 @dataclass(frozen=True)
@@ -51,13 +53,12 @@ def add_linear_lora(
         x: [T, in] the linear's input; out: [T, out] its output, written in place.
         slice_offsets: S+1 column offsets of the stacked slices (0 first, out last).
     """
-    num_slices = len(slice_offsets) - 1
-    if x.is_cuda:
-        y = sgmv_shrink(x, weights.a, segs, num_slices)  # [T, S·R] float32
-        sgmv_expand(y, weights.b, out, segs, slice_offsets)
+    if not x.is_cuda:
+        sgmv_fused_ref(x, weights.a, weights.b, out, segs, slice_offsets)
+    elif fused_sgmv_applies(weights.b.shape[2], segs.max_tokens):
+        sgmv_fused(x, weights.a, weights.b, out, segs, slice_offsets)  # decode: one launch
     else:
-        y = sgmv_shrink_ref(x, weights.a, segs, num_slices)
-        sgmv_expand_ref(y, weights.b, out, segs, slice_offsets)
+        sgmv_shrink_expand(x, weights.a, weights.b, out, segs, slice_offsets)
 
 
 def add_context_lora(latent: Tensor, out: Tensor, weights: LoraWeights, slot: int) -> None:

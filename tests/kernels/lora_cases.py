@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.lora_segments import build_lora_segments
+
 # Kernel (in this dtype) vs reference (float32 on the same values): (atol, rtol).
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-4, 1e-4),
@@ -77,3 +79,19 @@ def pool_B(ranks: list[int], out_dim: int, pool_rank: int, poison: float = 0.0) 
 def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype) -> None:
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def sgmv_case(  # type: ignore[no-untyped-def]
+    popularity, num_tokens, in_dim, slice_offsets, pool_rank, dtype, seed, poison=0.0
+):
+    """(segments, x [T, in], A, B, base out [T, out]) of a 5-slot pool with mixed ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    num_slots, num_slices = 5, len(slice_offsets) - 1
+    ranks = mixed_ranks(num_slots, pool_rank, gen)
+    segs = build_lora_segments(popular_slots(popularity, num_tokens, num_slots, gen), ranks)
+    x = torch.randn(num_tokens, in_dim).to(dtype)
+    A = pool_A(ranks, num_slices, pool_rank, in_dim, poison).to(dtype)
+    B = pool_B(ranks, slice_offsets[-1], pool_rank, poison).to(dtype)
+    base_out = torch.randn(num_tokens, slice_offsets[-1]).to(dtype)
+    return segs, x, A, B, base_out

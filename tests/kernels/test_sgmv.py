@@ -25,6 +25,7 @@ from tests.kernels.lora_cases import (
     pool_A,
     pool_B,
     popular_slots,
+    sgmv_case,
 )
 
 # Unequal stacked slices like attn.qkv_a (q_lora_rank | kv_lora_rank + rope), odd widths.
@@ -32,19 +33,6 @@ QKV_A_SLICES = [0, 37, 37 + 45]
 DENSE_SLICES = [0, 53]
 # (shrink, expand) variant pairs: every variant of both tables is covered.
 VARIANTS = list(zip(SHRINK_VARIANTS, EXPAND_VARIANTS, strict=True))
-
-
-def _lora_case(popularity, num_tokens, in_dim, slice_offsets, pool_rank, dtype, seed, poison=0.0):  # type: ignore[no-untyped-def]
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    num_slots, num_slices = 5, len(slice_offsets) - 1
-    ranks = mixed_ranks(num_slots, pool_rank, gen)
-    segs = build_lora_segments(popular_slots(popularity, num_tokens, num_slots, gen), ranks)
-    x = torch.randn(num_tokens, in_dim).to(dtype)
-    A = pool_A(ranks, num_slices, pool_rank, in_dim, poison).to(dtype)
-    B = pool_B(ranks, slice_offsets[-1], pool_rank, poison).to(dtype)
-    base_out = torch.randn(num_tokens, slice_offsets[-1]).to(dtype)
-    return segs, x, A, B, base_out
 
 
 def _dense_delta(x, A, B, segs, slice_offsets):  # type: ignore[no-untyped-def]
@@ -72,7 +60,7 @@ def test_sgmv_matches_reference(popularity, slice_offsets, dtype, variants) -> N
     num_slices = len(slice_offsets) - 1
     shrink_v, expand_v = variants
     # in=53 fits one K block: the split-free (plain store) shrink path.
-    segs, x, A, B, out = _lora_case(popularity, 23, 53, slice_offsets, 16, dtype, seed=1)
+    segs, x, A, B, out = sgmv_case(popularity, 23, 53, slice_offsets, 16, dtype, seed=1)
     y = sgmv_shrink(x, A, segs, num_slices, variant=shrink_v)
     y_ref = sgmv_shrink_ref(x.float(), A.float(), segs, num_slices)
     assert_close(y, y_ref, dtype)
@@ -86,7 +74,7 @@ def test_split_k_prefill_segments_and_rank_below_block(dtype, variants) -> None:
     """K=300 spans 3 K-blocks (split-K with atomics), 40-token runs span several segments,
     pool rank 32 with ranks 1..32 exercises two rank blocks and masked rank tails."""
     shrink_v, expand_v = variants
-    segs, x, A, B, out = _lora_case("skewed", 70, 300, QKV_A_SLICES, 32, dtype, seed=2)
+    segs, x, A, B, out = sgmv_case("skewed", 70, 300, QKV_A_SLICES, 32, dtype, seed=2)
     y = sgmv_shrink(x, A, segs, 2, variant=shrink_v)
     y_ref = sgmv_shrink_ref(x.float(), A.float(), segs, 2)
     assert_close(y, y_ref, dtype)
@@ -119,7 +107,7 @@ def test_grid_sized_for_capacity_with_few_live_segments(variants, monkeypatch) -
 def test_kernels_never_read_past_a_slot_rank(variants) -> None:  # type: ignore[no-untyped-def]
     """NaN in every unused rank row/column: a kernel that touches them returns NaN."""
     shrink_v, expand_v = variants
-    segs, x, A, B, out = _lora_case(
+    segs, x, A, B, out = sgmv_case(
         "zipf", 19, 67, QKV_A_SLICES, 16, torch.float32, 3, poison=float("nan")
     )
     y = sgmv_shrink(x, A, segs, 2, variant=shrink_v)
@@ -135,7 +123,7 @@ def test_kernels_never_read_past_a_slot_rank(variants) -> None:  # type: ignore[
 @pytest.mark.parametrize("half", ["q_a_only", "kv_a_only"])
 def test_half_present_qkv_a_adapter_touches_only_its_half(half) -> None:  # type: ignore[no-untyped-def]
     """A q_a-only adapter stores zeros for the kv_a slice of A and B (and vice versa)."""
-    segs, x, A, B, out = _lora_case("identical", 9, 67, QKV_A_SLICES, 16, torch.float32, 4)
+    segs, x, A, B, out = sgmv_case("identical", 9, 67, QKV_A_SLICES, 16, torch.float32, 4)
     absent = 1 if half == "q_a_only" else 0
     lo, hi = QKV_A_SLICES[absent], QKV_A_SLICES[absent + 1]
     A[:, absent * 16 : (absent + 1) * 16] = 0
@@ -149,7 +137,7 @@ def test_half_present_qkv_a_adapter_touches_only_its_half(half) -> None:  # type
 
 
 def test_reference_equals_dense_delta_in_fp64() -> None:
-    segs, x, A, B, out = _lora_case("distinct", 17, 29, QKV_A_SLICES, 8, torch.float64, 5)
+    segs, x, A, B, out = sgmv_case("distinct", 17, 29, QKV_A_SLICES, 8, torch.float64, 5)
     y = sgmv_shrink_ref(x, A, segs, 2)
     got = sgmv_expand_ref(y, B, out.clone(), segs, QKV_A_SLICES)
     expected = out + _dense_delta(x, A, B, segs, QKV_A_SLICES)
@@ -194,7 +182,7 @@ def test_launchers_reject_mismatched_shapes() -> None:
 )
 def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank, variants) -> None:  # type: ignore[no-untyped-def]
     slices = [0, 1536, 1536 + 576]
-    segs, x, A, B, out = _lora_case(
+    segs, x, A, B, out = sgmv_case(
         popularity, num_tokens, in_dim, slices, pool_rank, torch.bfloat16, 7
     )
     segs = build_lora_segments(
