@@ -17,8 +17,8 @@ cost ≤ 0.25.
 
 `--variants` times several kernel sets side by side on one model and pool (graphs are
 recaptured per set, the no-LoRA step is timed again each time: the spread of the base
-times is the run's noise). `v1` is the kernels as first measured, `two_launch` the defaults
-with SGMV as separate shrink and expand launches, `new` the defaults.
+times is the run's noise). `v1` is the kernels as first measured, `serial` the defaults
+with every LoRA kernel on the step's own stream, `new` the defaults.
 
     python -m bench.lora_decode_overhead --out bench/results/lora_decode_overhead.json \
         --variants v1 new
@@ -61,20 +61,21 @@ PAGE_SIZE = 16
 GOAL_OVERHEAD, GOAL_MOE_RATIO = 0.15, 0.25
 
 
-def _never(*args: Any) -> bool:
-    return False
+def _no_side_stream(device: torch.device) -> None:
+    return None
 
 
 # Kernel sets: name in inference_svc.lora.apply -> what it is replaced with.
-# v1: the MoE LoRA "runs" kernels and the two-launch SGMV path; two_launch: today's
-# defaults but SGMV as shrink + expand (no fused decode kernel); new: the defaults.
+# v1: the MoE LoRA "runs" kernels, every LoRA kernel on the step's stream; serial: today's
+# kernels, every LoRA kernel on the step's stream; new: the defaults (linear modules'
+# shrinks on the side stream, beside the base matmuls).
 KERNEL_SETS: dict[str, dict[str, Callable[..., Any]]] = {
     "v1": {
         "moe_lora_gate_up": functools.partial(moe_lora_gate_up, variant="runs"),
         "moe_lora_down": functools.partial(moe_lora_down, variant="runs"),
-        "fused_sgmv_applies": _never,
+        "lora_side_stream": _no_side_stream,
     },
-    "two_launch": {"fused_sgmv_applies": _never},
+    "serial": {"lora_side_stream": _no_side_stream},
     "new": {},
 }
 

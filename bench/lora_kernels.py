@@ -51,10 +51,8 @@ from kernels.sgmv import (
     sgmv_expand,
     sgmv_expand_ref,
     sgmv_shrink,
-    sgmv_shrink_expand,
     sgmv_shrink_ref,
 )
-from kernels.sgmv_fused import FUSED_PLANS, sgmv_fused, sgmv_fused_ref
 
 Provider = Callable[[], object]
 
@@ -181,37 +179,6 @@ def setup_sgmv(
     )
 
 
-def setup_sgmv_fused(
-    m: ModelShape, tokens: int, adapters: int, rank: int, device: torch.device
-) -> Setup:
-    """Shrink and expand of one module, out [T, hidden] += (x·Aᵀ)·Bᵀ: the fused kernel's
-    plans beside the two-launch path (its y memset, shrink and expand)."""
-    bf16 = {"device": device, "dtype": torch.bfloat16}
-    batch = _batch(tokens, adapters, SGMV_SLOTS, rank, device)
-    segs, groups = batch.segs, batch.groups
-    x = torch.randn(tokens, m.hidden, **bf16)
-    A = torch.randn(SGMV_SLOTS, rank, m.hidden, **bf16) / m.hidden**0.5
-    B = torch.randn(SGMV_SLOTS, m.hidden, rank, **bf16) / rank**0.5
-    out = torch.zeros(tokens, m.hidden, **bf16)
-    cols = [0, m.hidden]
-
-    def naive() -> None:
-        for slot, idx in groups:
-            out[idx] += (x[idx] @ A[slot].T) @ B[slot].T
-
-    providers: dict[str, Provider] = {
-        f"triton:fused_{plan}": functools.partial(sgmv_fused, x, A, B, out, segs, cols, plan=plan)
-        for plan in FUSED_PLANS
-    }
-    providers["triton:shrink_expand"] = functools.partial(
-        sgmv_shrink_expand, x, A, B, out, segs, cols
-    )
-    providers["torch"] = lambda: sgmv_fused_ref(x, A, B, out, segs, cols)
-    providers["naive"] = naive
-    bytes_moved = 2 * adapters * rank * m.hidden * 2 + 3 * tokens * m.hidden * 2
-    return Setup(providers, bytes_moved)
-
-
 def setup_mla(
     op: str, m: ModelShape, tokens: int, adapters: int, rank: int, device: torch.device
 ) -> Setup:
@@ -325,7 +292,6 @@ def setup_moe(
 SETUPS: dict[str, Callable[..., Setup]] = {
     "sgmv_shrink": lambda *a: setup_sgmv("shrink", *a),
     "sgmv_expand": lambda *a: setup_sgmv("expand", *a),
-    "sgmv_fused": setup_sgmv_fused,
     "mla_kv_b_q": lambda *a: setup_mla("q", *a),
     "mla_kv_b_o": lambda *a: setup_mla("o", *a),
     "moe_gate_up": lambda *a: setup_moe("gate_up", *a),
@@ -434,7 +400,7 @@ def cases(kernels: list[str], models: list[str], targets_only: bool) -> list[tup
         return [
             (kernel, "v3", rank, tokens, adapters)
             for (rank, tokens, adapters) in TARGET_ROWS
-            for kernel in ("sgmv_shrink", "sgmv_expand", "sgmv_fused")
+            for kernel in ("sgmv_shrink", "sgmv_expand")
         ]
     return [
         (kernel, model, rank, tokens, adapters)
@@ -510,9 +476,9 @@ def print_targets_table(rows: list[Row]) -> None:
     }
     print(
         "\n| rank, B, N | SGLang shrink / expand | ours shrink / expand (variant)"
-        " | copy here | floor here | target | fused in one launch vs SGLang sum, target sum |"
+        " | copy here | floor here | target |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for (rank, tokens, adapters), (sglang, _, target) in TARGET_ROWS.items():
         s = best.get(("sgmv_shrink", "v3", rank, tokens, adapters))
         e = best.get(("sgmv_expand", "v3", rank, tokens, adapters))
@@ -522,14 +488,10 @@ def print_targets_table(rows: list[Row]) -> None:
         ce = copies.get(("sgmv_expand", rank, tokens, adapters))
         copy = f"{cs:.1f} / {ce:.1f}" if cs is not None and ce is not None else "-"
         met = "met" if s.us <= target[0] and e.us <= target[1] else "missed"
-        f = best.get(("sgmv_fused", "v3", rank, tokens, adapters))
-        fused = "-"
-        if f is not None and f.us is not None:
-            fused = f"{f.us:.1f} ({f.provider[7:]}) vs {sum(sglang):.1f}, ≤ {sum(target)}"
         print(
             f"| {rank}, {tokens}, {adapters} | {sglang[0]} / {sglang[1]} | {s.us:.1f} / {e.us:.1f}"
             f" ({s.provider[7:]} / {e.provider[7:]}) | {copy} | {s.floor_us:.1f} /"
-            f" {e.floor_us:.1f} | ≤ {target[0]} / ≤ {target[1]} {met} | {fused} |"
+            f" {e.floor_us:.1f} | ≤ {target[0]} / ≤ {target[1]} {met} |"
         )
 
 

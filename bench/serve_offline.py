@@ -108,14 +108,23 @@ def run_scenario(
     slots = engine.scheduler.slots
     before = slots.metrics()
     steps = 0
+    # Wall time of the steps by kind: a step of at most max_num_seqs tokens holds decodes
+    # only (every prompt chunk here is a whole prompt, longer than that). Each step ends in
+    # the sampler's device→host copy, so its wall time is its GPU time.
+    kinds = {"decode": [0, 0.0], "prefill": [0, 0.0]}
     complete = True
     synchronize(config)
     start = time.perf_counter()
     for seq in seqs:
         engine.add_request(seq)
     while engine.has_work():
-        if engine.step():
+        began = time.perf_counter()
+        tokens = engine.step()
+        if tokens:
             steps += 1
+            kind = kinds["decode" if tokens <= config.max_num_seqs else "prefill"]
+            kind[0] += 1
+            kind[1] += time.perf_counter() - began
         else:
             time.sleep(0.0005)  # adapters streaming into the host cache
         if time.perf_counter() - start > timeout_s:
@@ -142,6 +151,10 @@ def run_scenario(
         "output_tokens_per_s": generated / seconds,
         "total_tokens_per_s": (generated + requests * config.prompt_len) / seconds,
         "steps": steps,
+        "decode_steps": kinds["decode"][0],
+        "decode_step_seconds": kinds["decode"][1],
+        "prefill_steps": kinds["prefill"][0],
+        "prefill_step_seconds": kinds["prefill"][1],
         "slot_loads": after.loads - before.loads,
         "slot_evictions": after.evictions - before.evictions,
         "complete": complete,
@@ -293,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{scenario.label:18s} {row['output_tokens_per_s']:9.0f} tok/s  "
                 f"{row['seconds']:6.1f} s  slot loads {row['slot_loads']:4d}  "
+                f"prefill steps {row['prefill_steps']} {row['prefill_step_seconds']:5.1f} s, "
+                f"decode steps {row['decode_steps']} {row['decode_step_seconds']:5.1f} s  "
                 + (f"÷ no LoRA {base:.3f}" if base else "")
                 + ("" if row["valid"] else "  INVALID (timed out or failed requests)")
             )

@@ -559,15 +559,6 @@ def sgmv_expand(
     return out
 
 
-def sgmv_shrink_expand(
-    x: Tensor, A: Tensor, B: Tensor, out: Tensor, segs: LoraSegments, slice_offsets: Sequence[int]
-) -> Tensor:
-    """`sgmv_shrink` then `sgmv_expand` (three launches: y's memset, shrink, expand): out[t]
-    += B[slot(t)] · (A[slot(t)] · x[t]) per slice, in place. The path for long batches."""
-    y = sgmv_shrink(x, A, segs, len(slice_offsets) - 1)  # [T, S·R] float32
-    return sgmv_expand(y, B, out, segs, slice_offsets)
-
-
 def sgmv_shrink_ref(x: Tensor, A: Tensor, segs: LoraSegments, num_slices: int = 1) -> Tensor:
     """Torch gather + bmm reference of `sgmv_shrink`, computed in x's dtype."""
     num_tokens = x.shape[0]

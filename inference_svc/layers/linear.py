@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_svc.layers.quant import QuantMethod
-from inference_svc.lora.apply import LoraWeights, add_linear_lora
+from inference_svc.lora.apply import LoraWeights, finish_linear_lora, start_linear_lora
 from kernels.fp8 import fp8_block_linear, fp8_block_linear_ref
 from kernels.lora_segments import LoraSegments
 
@@ -46,12 +46,16 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
         """x [T, in] → [T, out]; plus each token's LoRA delta when `lora` describes x."""
+        pending = None
+        if lora is not None and self.lora is not None:
+            # Issued first: the shrink runs beside the base matmul (see start_linear_lora).
+            pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
         info = self.quant.quant_info(self)
         if info.scale is None:
             y = F.linear(x, info.weight)
         else:
             gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref
             y = gemm(x, info.weight, info.scale, info.block)
-        if lora is not None and self.lora is not None:
-            add_linear_lora(x, y, self.lora, lora, self.slice_offsets)
+        if pending is not None:
+            finish_linear_lora(pending, y, self.lora, lora, self.slice_offsets)
         return y

@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
+from inference_svc.lora.streams import lora_side_stream
 from kernels.lora_segments import LoraSegments
 from kernels.mla_lora import (
     mla_kv_b_lora_o,
@@ -28,9 +30,7 @@ from kernels.moe_lora import (
     moe_lora_gate_up,
     moe_lora_gate_up_ref,
 )
-from kernels.sgmv import sgmv_shrink_expand
-from kernels.sgmv_fused import fused_applies as fused_sgmv_applies
-from kernels.sgmv_fused import sgmv_fused, sgmv_fused_ref
+from kernels.sgmv import sgmv_expand, sgmv_expand_ref, sgmv_shrink, sgmv_shrink_ref
 
 
 @dataclass(frozen=True)
@@ -44,21 +44,62 @@ class LoraWeights:
     b: Tensor
 
 
-def add_linear_lora(
-    x: Tensor, out: Tensor, weights: LoraWeights, segs: LoraSegments, slice_offsets: Sequence[int]
-) -> None:
-    """Semantics: out[t, o_i:o_i+1] += B_i[slot(t)] · (A_i[slot(t)] · x[t]) per stacked slice i.
+@dataclass(frozen=True)
+class PendingLinearLora:
+    """A linear module's LoRA shrink, issued before the module's base matmul.
 
-    Args:
-        x: [T, in] the linear's input; out: [T, out] its output, written in place.
-        slice_offsets: S+1 column offsets of the stacked slices (0 first, out last).
+    y: [T, S·R] the intermediate (float32 on CUDA); stream: the side stream it is computed
+    on (None: the current stream, already ordered).
+    """
+
+    y: Tensor
+    stream: torch.cuda.Stream | None
+
+
+def start_linear_lora(
+    x: Tensor, weights: LoraWeights, segs: LoraSegments, num_slices: int
+) -> PendingLinearLora:
+    """Semantics: y[t, i·R + r] = A[slot(t), i·R + r] · x[t] (the shrink of every slice).
+
+    On CUDA the shrink (and the zeroing of y) runs on the LoRA side stream, beside the base
+    matmul the caller issues next: in a small decode step both are latency-bound and use a
+    fraction of the SMs, so the shrink's launches are hidden instead of added to the chain.
+    `finish_linear_lora` joins the streams before it adds the expand.
+    Args: x [T, in]; num_slices: stacked slices S of the module.
     """
     if not x.is_cuda:
-        sgmv_fused_ref(x, weights.a, weights.b, out, segs, slice_offsets)
-    elif fused_sgmv_applies(weights.b.shape[2], segs.max_tokens):
-        sgmv_fused(x, weights.a, weights.b, out, segs, slice_offsets)  # decode: one launch
-    else:
-        sgmv_shrink_expand(x, weights.a, weights.b, out, segs, slice_offsets)
+        return PendingLinearLora(sgmv_shrink_ref(x, weights.a, segs, num_slices), None)
+    # Allocated on the current stream, which waits for the side stream before it frees y.
+    y = torch.empty(x.shape[0], weights.a.shape[1], dtype=torch.float32, device=x.device)
+    side = lora_side_stream(x.device)
+    if side is None:
+        sgmv_shrink(x, weights.a, segs, num_slices, out=y)
+        return PendingLinearLora(y, None)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        sgmv_shrink(x, weights.a, segs, num_slices, out=y)
+    return PendingLinearLora(y, side)
+
+
+def finish_linear_lora(
+    pending: PendingLinearLora,
+    out: Tensor,
+    weights: LoraWeights,
+    segs: LoraSegments,
+    slice_offsets: Sequence[int],
+) -> None:
+    """Semantics: out[t, o_i:o_i+1] += B_i[slot(t)] · y_i[t] per stacked slice i.
+
+    Args:
+        out: [T, out] the linear's output, written in place.
+        slice_offsets: S+1 column offsets of the stacked slices (0 first, out last).
+    """
+    if not out.is_cuda:
+        sgmv_expand_ref(pending.y, weights.b, out, segs, slice_offsets)
+        return
+    if pending.stream is not None:
+        torch.cuda.current_stream(out.device).wait_stream(pending.stream)
+    sgmv_expand(pending.y, weights.b, out, segs, slice_offsets)
 
 
 def add_context_lora(latent: Tensor, out: Tensor, weights: LoraWeights, slot: int) -> None:

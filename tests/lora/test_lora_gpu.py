@@ -60,3 +60,25 @@ def test_cuda_graph_decode_replay_with_lora_equals_eager(tiny_model_dirs, dtype,
     for eager_seq, graph_seq in zip(*runs, strict=True):
         diff = (torch.stack(eager_seq.logprobs) - torch.stack(graph_seq.logprobs)).abs().max()
         assert diff.item() <= tol, f"slot {eager_seq.slot}: graph vs eager {diff.item():.2e}"
+
+
+@pytest.mark.parametrize("graphs", [(), (1, 2, 4, 8)], ids=["eager", "graphs"])
+def test_side_stream_shrinks_equal_the_same_kernels_in_order(tiny_model_dirs, monkeypatch, graphs):
+    """The linear modules' shrinks on the LoRA side stream (the default) compute exactly
+    what the same kernels give on the step's own stream: a missing join would read a
+    half-written y and show up here, eager and in graph replays."""
+    from inference_svc.lora import apply
+
+    folder = tiny_model_dirs[SPEC]
+    tokens = random_tokens([9, 12, 7, 10, 11], seed=25)
+    slots = [1, 1, -1, 3, 1]
+    runs = []
+    for side_stream in (True, False):
+        if not side_stream:
+            monkeypatch.setattr(apply, "lora_side_stream", lambda device: None)
+        runner, _ = _adapted_runner(folder, torch.bfloat16, cuda_graph_sizes=graphs)
+        scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
+        scenario.run([4, 5, 3, 6, 2])
+        runs.append(scenario.seqs)
+    for overlapped, serial in zip(*runs, strict=True):
+        assert torch.equal(torch.stack(overlapped.logprobs), torch.stack(serial.logprobs))

@@ -118,7 +118,7 @@ def test_batch_without_adapters_does_no_lora_work(tiny_model_dirs, monkeypatch):
     _, adapter = peft_case(spec, rank=4, seed=12)
     runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=4)
     runner.lora_pool.load(0, adapter)
-    for name in ("sgmv_fused_ref", "mla_kv_b_lora_q_ref", "moe_lora_gate_up_ref"):
+    for name in ("sgmv_shrink_ref", "mla_kv_b_lora_q_ref", "moe_lora_gate_up_ref"):
         monkeypatch.setattr(apply, name, _must_not_run)
     tokens = random_tokens([7, 9], seed=13)
     scenario = Scenario(runner, [Seq(t, slot=-1) for t in tokens])
@@ -131,18 +131,15 @@ def _must_not_run(*args, **kwargs):
     raise AssertionError("a batch without adapters ran a LoRA kernel")
 
 
-@pytest.mark.parametrize("sgmv_path", ["shrink_expand", "fused"])
-def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatch, sgmv_path):
+def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatch):
     """The LoRA deltas through the Triton launchers (interpreted on CPU): their integration
     (strides of q_nope / q_lat views, stacked slices, per-pair MoE rows, decode segments of
-    a mixed step) checked end to end, with the linear modules' deltas through either SGMV
-    path (two launches for long batches, one fused launch for decode)."""
+    a mixed step) checked end to end."""
     from inference_svc.lora import apply
-    from kernels import mla_lora, moe_lora, sgmv, sgmv_fused
+    from kernels import mla_lora, moe_lora, sgmv
 
-    linear = sgmv.sgmv_shrink_expand if sgmv_path == "shrink_expand" else sgmv_fused.sgmv_fused
-    monkeypatch.setattr(apply, "sgmv_fused_ref", linear)
     for module, names in (
+        (sgmv, ("sgmv_shrink", "sgmv_expand")),
         (mla_lora, ("mla_kv_b_lora_q", "mla_kv_b_lora_o")),
         (moe_lora, ("moe_lora_gate_up", "moe_lora_down")),
     ):
