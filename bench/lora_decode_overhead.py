@@ -57,6 +57,8 @@ BATCHES = (1, 64, 256)
 NUM_ADAPTERS = 32
 RANK = 16
 MOE_BATCH, MOE_ADAPTERS = 64, 8
+# A serving prefill step: bench.serve_offline's 8192-token budget of 512-token prompts.
+PREFILL_SEQS = 16
 PAGE_SIZE = 16
 GOAL_OVERHEAD, GOAL_MOE_RATIO = 0.15, 0.25
 
@@ -202,6 +204,61 @@ def measure_steps(setup: Setup, batches: tuple[int, ...], profile: bool) -> list
     return rows
 
 
+def prefill_batch(
+    setup: Setup, seqs: int, prompt_len: int, adapters: int
+) -> tuple[torch.Tensor, BatchMetadata]:
+    """`seqs` whole prompts of `prompt_len` tokens from an empty cache, as the scheduler
+    packs a prefill step; `adapters` distinct slots (0: base model only)."""
+    per_seq = pages_for(prompt_len, PAGE_SIZE)
+    steps = []
+    for b in range(seqs):
+        slot = b * adapters // seqs if adapters else -1
+        pages = tuple(range(b * per_seq, (b + 1) * per_seq))
+        steps.append(SequenceStep(0, prompt_len, pages, lora_slot=slot))
+    runner = setup.runner
+    batch = build_batch(steps, PAGE_SIZE, runner.device, runner.lora_slot_rank)
+    vocab = setup.model.config.vocab_size
+    input_ids = torch.randint(0, vocab, (seqs * prompt_len,), device=runner.device)
+    return input_ids, batch
+
+
+def measure_prefill(setup: Setup, profile: bool) -> list[dict[str, Any]]:
+    """A serving prefill step (16 prompts of `context` tokens, eager as the engine runs it)
+    without LoRA, with one adapter and with 16; with `profile`, the kernel classes whose
+    time LoRA adds (µs per step, largest first)."""
+    seqs, rows = PREFILL_SEQS, []
+    device = setup.runner.device
+    base_profile = None
+    for adapters in (0, 1, seqs):
+        input_ids, batch = prefill_batch(setup, seqs, setup.context, adapters)
+        step = functools.partial(setup.runner.execute, input_ids, batch)
+        us = 1e3 * time_ms(step, device)
+        row: dict[str, Any] = {"seqs": seqs, "prompt_len": setup.context, "adapters": adapters,
+                               "us": us}  # fmt: skip
+        if profile:
+            row["profile"] = profile_step(step, device, steps=2)
+            if adapters == 0:
+                base_profile = row["profile"]
+            else:
+                row["added_us_by_class"] = added_by_class(base_profile, row["profile"])
+        rows.append(row)
+        ratio = f"  ÷ no LoRA {us / rows[0]['us']:.3f}" if adapters else ""
+        print(f"prefill {seqs}×{setup.context} adapters={adapters:<3} {us:10.1f} µs{ratio}")
+        for label, added in list(row.get("added_us_by_class", {}).items())[:8]:
+            print(f"    +{added:9.1f} µs  {label}")
+    return rows
+
+
+def added_by_class(base: dict[str, Any] | None, lora: dict[str, Any]) -> dict[str, float]:
+    """µs per step each kernel class takes with LoRA beyond the base step, largest first."""
+    before = {} if base is None else base["classes"]
+    added = {
+        label: stats["us_per_step"] - before.get(label, {}).get("us_per_step", 0.0)
+        for label, stats in lora["classes"].items()
+    }
+    return dict(sorted(added.items(), key=lambda kv: kv[1], reverse=True))
+
+
 def measure_moe(setup: Setup) -> dict[str, float]:
     """One MoE layer at batch 64 with 8 adapters: LoRA cost ÷ base fused MoE."""
     moe = next(layer.moe for layer in setup.model.layers if layer.moe is not None)
@@ -252,7 +309,9 @@ def plot(results: dict[str, Any], png_path: Path) -> None:
     print(f"plot: {png_path}")
 
 
-def run(out: Path, layers: int, context: int, variants: list[str], profile: bool) -> None:
+def run(
+    out: Path, layers: int, context: int, variants: list[str], profile: bool, prefill: bool
+) -> None:
     start = time.perf_counter()
     setup = make_setup(v2_lite_config(layers), "cuda", context, BATCHES, graphs=False)
     measured = {}
@@ -269,6 +328,8 @@ def run(out: Path, layers: int, context: int, variants: list[str], profile: bool
                 "decode": [{**asdict(r), "overhead": r.overhead} for r in rows],
                 "moe": measure_moe(setup),
             }
+            if prefill:
+                measured[name]["prefill"] = measure_prefill(setup, profile)
     results = {
         "device": device_name(torch.device("cuda")),
         "model": "DeepSeek-V2-Lite shape, q_lora_rank 1536, random bf16 weights",
@@ -305,6 +366,9 @@ def smoke() -> None:
                     logits = setup.runner.execute(input_ids, batch)
                     vocab = setup.model.config.vocab_size
                     assert logits.shape == (size, vocab) and torch.isfinite(logits).all()
+            input_ids, batch = prefill_batch(setup, 4, setup.context, 2)
+            logits = setup.runner.execute(input_ids, batch)
+            assert logits.shape[0] == 4 and torch.isfinite(logits).all()
     print("smoke ok")
 
 
@@ -323,11 +387,16 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="also record µs per kernel class (torch profiler)"
     )
+    parser.add_argument(
+        "--prefill",
+        action="store_true",
+        help=f"also a prefill step of {PREFILL_SEQS} prompts of --context tokens (eager)",
+    )
     args = parser.parse_args()
     if args.smoke:
         smoke()
     elif args.out:
-        run(args.out, args.layers, args.context, args.variants, args.profile)
+        run(args.out, args.layers, args.context, args.variants, args.profile, args.prefill)
     else:
         parser.error("give --out or --smoke")
 

@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         library = AdapterLibrary((args.adapter_dir or Path(tmp)) / f"rank{config.rank}", config)
         engine = build_engine(build_model(config), config, library)
-        warm_up(engine, library, config)
+        # One full prefill step's worth of prompts: the largest prefill shape online.
+        warm_up(engine, library, config, max(4, config.max_batch_tokens // config.prompt_len))
         slots = engine.scheduler.residency.pool.num_slots
         # Leave slots for the cold probes (they are loaded while the warm ones stay pinned).
         num_warm = max(1, min(args.adapters, slots - 2))
