@@ -120,18 +120,19 @@ def _mla_decode_kernel(
 def _mla_decode_merge_kernel(
     o_part_ptr, lse_part_ptr, out_ptr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, num_splits,
 ):  # fmt: skip
     b, h = tl.program_id(0), tl.program_id(1)
     offs_c = tl.arange(0, BLOCK_C)
-    lse_max = float("-inf")
-    for s in range(NUM_SPLITS):
+    # Typed scalars: the split count is a run-time loop bound, so these are loop-carried.
+    lse_max = tl.full([], float("-inf"), tl.float32)
+    for s in range(num_splits):
         lse_max = tl.maximum(lse_max, tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + s))
     # Every split empty (context 0): the weights below are all 0 and o_lat is 0.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = 0.0
+    total = tl.full([], 0.0, tl.float32)
     acc = tl.zeros((BLOCK_C,), tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         lse = tl.load(lse_part_ptr + b * stride_lb + h * stride_lh + s)
         weight = tl.exp(lse - lse_max)  # 0 for empty splits (lse = -inf)
         part = tl.load(
@@ -257,7 +258,7 @@ def mla_decode(
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        C=latent_dim, BLOCK_C=block_c, NUM_SPLITS=splits,
+        C=latent_dim, BLOCK_C=block_c, num_splits=splits,
     )  # fmt: skip
     return out
 

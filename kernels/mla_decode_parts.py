@@ -10,11 +10,12 @@ import triton.language as tl
 
 
 @triton.jit
-def split_range(ctx_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
+def split_range(ctx_ptr, b, split, num_splits, BLOCK_T: tl.constexpr):
     """Token range [start, end) of split `split` of sequence b: whole BLOCK_T tiles, so at
-    most the last split of a sequence is partial; trailing splits may be empty."""
+    most the last split of a sequence is partial; trailing splits may be empty.
+    `num_splits` may be a run-time value (one compiled kernel for every split count)."""
     ctx = tl.load(ctx_ptr + b)
-    per_split = (ctx + NUM_SPLITS - 1) // NUM_SPLITS
+    per_split = (ctx + num_splits - 1) // num_splits
     split_len = (per_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T
     start = split * split_len
     return start, tl.minimum(start + split_len, ctx)

@@ -11,12 +11,15 @@ What changes against v2 (`mla_attention._mla_decode_kernel`), and why:
   chunk first, so the latent rows it loads for its own chunk feed the P·c dot too: no row
   is loaded twice by one program. The sibling programs of a head block (C / BLOCK_CV of
   them) run next to each other (fastest grid axis) and share the rows through L2.
-- **One launch when one split suffices.** With NUM_SPLITS = 1 the program normalises and
+- **One launch when one split suffices.** With one split the program normalises and
   writes o_lat in the output dtype itself: no fp32 partials (B·H·C·4 bytes written and read
   again, +22% traffic over the latent cache at V2-Lite's 16 heads, context 512) and no merge
   launch. The split count is a function of the launch shape only (CUDA graphs) and aims at
   ~2 programs per SM, rounding down, so a batch that fills the GPU gets one split.
 - Sequences with no cached token (context 0) give o_lat = 0, as the reference.
+- The split count is a run-time argument: as a compile-time constant every new count (a
+  mixed prefill + decode step has any decode batch size, so any of ~20 counts) compiled
+  the kernel again, ~15 s in the first minute of serving on the H100 (2026-11-24).
 
 Shapes: B sequences, H heads, C kv_lora_rank, R rope dim, S page size, T tokens.
 """
@@ -50,7 +53,7 @@ def _mla_decode_v3_kernel(
     stride_outb, stride_outh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     C: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    num_splits, SINGLE_SPLIT: tl.constexpr,
 ):  # fmt: skip
     C_BLOCKS: tl.constexpr = (C + BLOCK_CV - 1) // BLOCK_CV
     # Column blocks vary fastest, then head blocks: every program of one sequence runs at
@@ -66,7 +69,7 @@ def _mla_decode_v3_kernel(
     q_rope = masked_tile(
         q_rope_ptr + b * stride_qrb, heads * stride_qrh, head_mask, offs_r, R
     )  # [BLOCK_H, BLOCK_R]
-    start, end = split_range(ctx_ptr, b, split, NUM_SPLITS, BLOCK_T)
+    start, end = split_range(ctx_ptr, b, split, num_splits, BLOCK_T)
 
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_H,), tl.float32)
@@ -93,7 +96,7 @@ def _mla_decode_v3_kernel(
     has_tokens = start < end
     safe_denom = tl.where(has_tokens, denom, 1.0)
     store_mask = head_mask[:, None] & (offs_v[None, :] < C)
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         out = out_ptr + b * stride_outb + heads[:, None] * stride_outh + offs_v[None, :]
         tl.store(out, (acc / safe_denom[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
@@ -192,6 +195,6 @@ def launch_mla_decode_v3(
         lse.stride(0), lse.stride(1),
         C=latent_dim, R=q_rope.shape[-1], BLOCK_R=max(16, triton.next_power_of_2(q_rope.shape[-1])),
         PAGE_SIZE=kv_pool.shape[1], BLOCK_H=block_h, BLOCK_T=config.kwargs["BLOCK_T"],
-        BLOCK_CV=block_cv, NUM_SPLITS=splits,
+        BLOCK_CV=block_cv, num_splits=splits, SINGLE_SPLIT=o_part is None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

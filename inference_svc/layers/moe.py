@@ -150,11 +150,12 @@ class MoE(nn.Module):
         )
         if with_lora:
             pair_token, pair_expert = _pairs(topk_ids)
-            add_moe_gate_up(x, gate_up, self.lora_gate_up, pair_token, pair_expert, lora)
+            order = align.sorted_pair_ids
+            add_moe_gate_up(x, gate_up, self.lora_gate_up, pair_token, pair_expert, lora, order)
         act = (fm.silu_mul if triton_path else fm.silu_mul_ref)(gate_up)  # [P, I]
         pair_out = gemm(act, w2.weight, align, 1, w2.scale, w2.block, w2.scheme)  # [P, hidden]
         if with_lora:
-            add_moe_down(act, pair_out, self.lora_down, pair_token, pair_expert, lora)
+            add_moe_down(act, pair_out, self.lora_down, pair_token, pair_expert, lora, order)
         return (fm.moe_combine if triton_path else fm.moe_combine_ref)(pair_out, topk_weights)
 
 

@@ -141,14 +141,16 @@ def add_moe_gate_up(
     pair_token: Tensor,
     pair_expert: Tensor,
     segs: LoraSegments,
+    pair_order: Tensor,
 ) -> None:
     """Semantics: inter[p] += B[slot, e] · (A[slot, e] · x[tok(p)]) per gate/up slice.
 
     Args: x [T, hidden]; inter [P, 2·I] per-pair gate_up output, written in place;
-    pair_token / pair_expert int32 [P].
+    pair_token / pair_expert int32 [P]; pair_order: the base MoE's expert-sorted pair ids
+    (the kernels walk long batches in it; it does not change the result).
     """
     apply = moe_lora_gate_up if x.is_cuda else moe_lora_gate_up_ref
-    apply(x, inter, weights.a, weights.b, pair_token, pair_expert, segs)
+    apply(x, inter, weights.a, weights.b, pair_token, pair_expert, segs, pair_order=pair_order)
 
 
 def add_moe_down(
@@ -158,10 +160,12 @@ def add_moe_down(
     pair_token: Tensor,
     pair_expert: Tensor,
     segs: LoraSegments,
+    pair_order: Tensor,
 ) -> None:
     """Semantics: down_out[p] += B[slot, e] · (A[slot, e] · act[p]) before the combine.
 
-    Args: act [P, I]; down_out [P, hidden] written in place; pair_token / pair_expert [P].
+    Args: act [P, I]; down_out [P, hidden] written in place; pair_token / pair_expert [P];
+    pair_order as in `add_moe_gate_up`.
     """
     apply = moe_lora_down if act.is_cuda else moe_lora_down_ref
-    apply(act, down_out, weights.a, weights.b, pair_token, pair_expert, segs)
+    apply(act, down_out, weights.a, weights.b, pair_token, pair_expert, segs, pair_order=pair_order)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import moe_lora
+from kernels.fused_moe import moe_align_ref
 from kernels.lora_segments import build_lora_segments
 from kernels.moe_lora import (
     MOE_VARIANTS,
@@ -95,12 +96,19 @@ def _run_both(segs, pt, pe, t, dtype) -> None:  # type: ignore[no-untyped-def]
     exp_down = moe_lora_down_ref(
         f32["act"], f32["down"].clone(), f32["A_d"], f32["B_d"], pt, pe, segs
     )
-    for variant in MOE_VARIANTS:
+    # Any walk order gives the same delta: a shuffle with out-of-range (padding) entries.
+    num_pairs = pt.shape[0]
+    shuffled = torch.randperm(num_pairs, generator=torch.Generator().manual_seed(num_pairs))
+    padding = torch.full((3,), num_pairs)
+    order = torch.cat([shuffled[:5], padding, shuffled[5:], padding]).int().to(pt.device)
+    runs = [(variant, None) for variant in MOE_VARIANTS] + [("runs", order)]
+    for variant, pair_order in runs:
+        kwargs = {"variant": variant, "pair_order": pair_order}
         got_inter = moe_lora_gate_up(
-            t["x"], t["inter"].clone(), t["A_gu"], t["B_gu"], pt, pe, segs, variant=variant
+            t["x"], t["inter"].clone(), t["A_gu"], t["B_gu"], pt, pe, segs, **kwargs
         )
         got_down = moe_lora_down(
-            t["act"], t["down"].clone(), t["A_d"], t["B_d"], pt, pe, segs, variant=variant
+            t["act"], t["down"].clone(), t["A_d"], t["B_d"], pt, pe, segs, **kwargs
         )
         assert_close(got_inter, exp_inter, dtype)
         assert_close(got_down, exp_down, dtype)
@@ -166,6 +174,31 @@ def test_every_token_on_one_expert_with_one_adapter() -> None:
     _run_both(segs, pt, pe, t, torch.float32)
 
 
+def test_runs_walk_the_base_moe_expert_order() -> None:
+    """As the model calls it: pairs token-major (p = t·k + j, the base MoE's intermediate
+    rows), walked in the base fused MoE's expert-sorted, block-padded order."""
+    num_tokens = 37
+    segs, _, _, t = _moe_case("zipf", num_tokens, torch.float32, seed=8, padding=0)
+    gen = torch.Generator().manual_seed(8)
+    topk_ids = torch.rand(num_tokens, EXPERTS, generator=gen).topk(TOP_K, dim=1).indices
+    pt = (torch.arange(num_tokens * TOP_K) // TOP_K).int()
+    pe = topk_ids.flatten().int()
+    order = moe_align_ref(topk_ids, EXPERTS, block_m=16).sorted_pair_ids
+    assert order.shape[0] > pt.shape[0]  # padded runs: entries ≥ P are skipped
+    expected = moe_lora_gate_up_ref(t["x"], t["inter"].clone(), t["A_gu"], t["B_gu"], pt, pe, segs)
+    got = moe_lora_gate_up(
+        t["x"], t["inter"].clone(), t["A_gu"], t["B_gu"], pt, pe, segs,
+        variant="runs", pair_order=order,
+    )  # fmt: skip
+    assert_close(got, expected, torch.float32)
+    expected = moe_lora_down_ref(t["act"], t["down"].clone(), t["A_d"], t["B_d"], pt, pe, segs)
+    got = moe_lora_down(
+        t["act"], t["down"].clone(), t["A_d"], t["B_d"], pt, pe, segs,
+        variant="runs", pair_order=order,
+    )  # fmt: skip
+    assert_close(got, expected, torch.float32)
+
+
 def test_reference_equals_dense_delta_in_fp64() -> None:
     segs, pt, pe, t = _moe_case("distinct", 9, torch.float64, 5, shared_outer=True)
     got = moe_lora_gate_up_ref(t["x"], t["inter"].clone(), t["A_gu"], t["B_gu"], pt, pe, segs)
@@ -212,5 +245,11 @@ def test_moe_lora_bf16_gpu(popularity, num_tokens, variant) -> None:  # type: ig
     x = torch.randn(num_tokens, hidden, generator=gen).to(**bf16)
     inter = torch.randn(pt.shape[0], 2 * moe_inter, generator=gen).to(**bf16)
     expected = moe_lora_gate_up_ref(x.float(), inter.float(), A.float(), B.float(), pt, pe, segs)
-    got = moe_lora_gate_up(x, inter, A, B, pt, pe, segs, variant=variant)
+    got = moe_lora_gate_up(x, inter.clone(), A, B, pt, pe, segs, variant=variant)
     assert_close(got, expected, torch.bfloat16)
+    if variant == "runs":  # the base MoE's expert order (here: the pairs' reverse + padding)
+        order = torch.cat([torch.arange(pt.shape[0] - 1, -1, -1), torch.full((5,), pt.shape[0])])
+        got = moe_lora_gate_up(
+            x, inter.clone(), A, B, pt, pe, segs, variant="runs", pair_order=order.int().cuda()
+        )
+        assert_close(got, expected, torch.bfloat16)

@@ -131,10 +131,14 @@ def _must_not_run(*args, **kwargs):
     raise AssertionError("a batch without adapters ran a LoRA kernel")
 
 
-def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatch):
+@pytest.mark.parametrize("moe_variant", ["auto", "runs"])
+def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatch, moe_variant):
     """The LoRA deltas through the Triton launchers (interpreted on CPU): their integration
     (strides of q_nope / q_lat views, stacked slices, per-pair MoE rows, decode segments of
-    a mixed step) checked end to end."""
+    a mixed step) checked end to end. The tiny batches take the "pairs" MoE kernel; "runs"
+    (prefill-sized batches) walks the pairs in the base MoE's expert order."""
+    import functools
+
     from inference_svc.lora import apply
     from kernels import mla_lora, moe_lora, sgmv
 
@@ -144,7 +148,10 @@ def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatc
         (moe_lora, ("moe_lora_gate_up", "moe_lora_down")),
     ):
         for name in names:
-            monkeypatch.setattr(apply, f"{name}_ref", getattr(module, name))
+            launcher = getattr(module, name)
+            if module is moe_lora:
+                launcher = functools.partial(launcher, variant=moe_variant)
+            monkeypatch.setattr(apply, f"{name}_ref", launcher)
     spec = "v3_q_lora"
     runner = make_runner(tiny_model_dirs[spec], spec, num_slots=3, max_rank=16)
     cases = [peft_case(spec, rank=4, seed=14), peft_case(spec, rank=16, seed=15)]
