@@ -560,19 +560,22 @@ def sgmv_expand(
 
 
 def sgmv_shrink_ref(x: Tensor, A: Tensor, segs: LoraSegments, num_slices: int = 1) -> Tensor:
-    """Torch gather + bmm reference of `sgmv_shrink`, computed in x's dtype."""
+    """Torch gather + bmm reference of `sgmv_shrink` in x's dtype (float32 accumulated in
+    float64: this is also the CPU serving path, compared with transformers+peft ≤ 1e-4)."""
     num_tokens = x.shape[0]
     pool_rank = A.shape[1] // num_slices
     slot = segs.token_slot[:num_tokens].long()  # [T]
     keep = live_rank_columns(segs.slot_rank, slot, pool_rank).repeat(1, num_slices)  # [T, S*R]
     a = torch.where(keep[:, :, None], A[slot.clamp(min=0)], 0)  # [T, S*R, in]
-    return torch.bmm(a, x.unsqueeze(2)).squeeze(2)  # [T, S*R]
+    wide = _accumulation_dtype(x.dtype)
+    return torch.bmm(a.to(wide), x.to(wide).unsqueeze(2)).squeeze(2).to(x.dtype)  # [T, S*R]
 
 
 def sgmv_expand_ref(
     y: Tensor, B: Tensor, out: Tensor, segs: LoraSegments, slice_offsets: Sequence[int]
 ) -> Tensor:
-    """Torch gather + bmm reference of `sgmv_expand`, computed in B's dtype, in place."""
+    """Torch gather + bmm reference of `sgmv_expand` in B's dtype (float32 accumulated in
+    float64, as `sgmv_shrink_ref`), in place."""
     num_tokens = out.shape[0]
     pool_rank = B.shape[2]
     slot = segs.token_slot[:num_tokens].long()  # [T]
@@ -580,9 +583,14 @@ def sgmv_expand_ref(
     b = torch.where(keep[:, None, :], B[slot.clamp(min=0)], 0)  # [T, out_total, R]
     for i, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:], strict=False)):
         y_i = torch.where(keep, y[:, i * pool_rank : (i + 1) * pool_rank], 0).to(B.dtype)
-        delta = torch.bmm(b[:, lo:hi], y_i.unsqueeze(2)).squeeze(2)  # [T, out_i]
+        wide = _accumulation_dtype(B.dtype)
+        delta = torch.bmm(b[:, lo:hi].to(wide), y_i.to(wide).unsqueeze(2)).squeeze(2)  # [T, out_i]
         out[:, lo:hi] += delta.to(out.dtype)
     return out
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float32 else dtype
 
 
 def check_pool(w: Tensor, dtype: torch.dtype, ndim: int, name: str) -> None:

@@ -24,7 +24,7 @@ from inference_svc.layers.linear import Linear
 from inference_svc.layers.norm import RMSNorm
 from inference_svc.layers.quant import QuantMethod, UnquantizedMethod
 from inference_svc.layers.rope import RotaryEmbedding
-from inference_svc.lora.apply import add_context_lora, add_kv_b_absorbed_o, add_kv_b_absorbed_q
+from inference_svc.lora.apply import add_kv_b_absorbed_o, add_kv_b_absorbed_q
 from inference_svc.model.config import ModelConfig
 from kernels.mla_attention import (
     gather_paged_rows,
@@ -133,27 +133,35 @@ class MLAAttention(nn.Module):
         return out
 
     def _prefill(self, q_nope, q_rope, batch: BatchMetadata, kv_pool, out: torch.Tensor) -> None:
-        """Naive causal attention of each prefill sequence against its whole cached context."""
+        """Naive causal attention of each prefill sequence against its whole cached context;
+        K/V (kv_b with its LoRA delta) expanded for a group of sequences at a time."""
         attend = mla_prefill if q_nope.is_cuda else mla_prefill_ref
         q_full = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, n+R]
         start = batch.num_decode_tokens
-        for b in range(batch.num_decode_seqs, batch.num_seqs):
-            q_len, ctx = batch.query_lens[b], batch.context_lens_host[b]
-            rows = gather_paged_rows(kv_pool, batch.page_table[b], ctx)  # [ctx, C+R]
+        for group, (b0, b1) in enumerate(batch.prefill_groups):
+            contexts = batch.context_lens_host[b0:b1]
+            rows = torch.cat(
+                [gather_paged_rows(kv_pool, batch.page_table[b], n) for b, n in zip(
+                    range(b0, b1), contexts, strict=True)]
+            )  # [Σctx, C+R]  # fmt: skip
             latent, k_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-            latent = latent.to(q_full.dtype)
-            kv = self.kv_b(latent)  # [ctx, H·(n+v)]
-            slot = batch.lora.seq_slots[b] if batch.lora is not None else -1
-            if slot >= 0 and self.kv_b.lora is not None:
-                add_context_lora(latent, kv, self.kv_b.lora, slot)
-            kv = kv.view(ctx, self.num_heads, -1)
-            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [ctx, H, n], [ctx, H, v]
-            k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
-            for c0 in range(0, q_len, PREFILL_CHUNK):
-                c1 = min(q_len, c0 + PREFILL_CHUNK)
-                offset = ctx - q_len + c0
-                out[start + c0 : start + c1] = attend(
-                    q_full[start + c0 : start + c1], k[: offset + c1 - c0], v[: offset + c1 - c0],
-                    self.scale, offset,
-                )  # fmt: skip
-            start += q_len
+            lora = batch.lora.context_rows[group] if batch.lora is not None else None
+            kv = self.kv_b(latent.to(q_full.dtype), lora)  # [Σctx, H·(n+v)]
+            kv = kv.view(kv.shape[0], self.num_heads, -1)
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [Σctx, H, n], [.., v]
+            first_row = 0
+            for b, ctx in zip(range(b0, b1), contexts, strict=True):
+                own = slice(first_row, first_row + ctx)
+                first_row += ctx
+                k = torch.cat(
+                    [k_nope[own], k_rope[own, None, :].expand(-1, self.num_heads, -1)], dim=-1
+                )  # [ctx, H, n+R]
+                q_len = batch.query_lens[b]
+                for c0 in range(0, q_len, PREFILL_CHUNK):
+                    c1 = min(q_len, c0 + PREFILL_CHUNK)
+                    offset = ctx - q_len + c0
+                    out[start + c0 : start + c1] = attend(
+                        q_full[start + c0 : start + c1], k[: offset + c1 - c0],
+                        v[own][: offset + c1 - c0], self.scale, offset,
+                    )  # fmt: skip
+                start += q_len

@@ -102,18 +102,6 @@ def finish_linear_lora(
     sgmv_expand(pending.y, weights.b, out, segs, slice_offsets)
 
 
-def add_context_lora(latent: Tensor, out: Tensor, weights: LoraWeights, slot: int) -> None:
-    """Semantics: out += (latent · A[slot]ᵀ) · B[slot]ᵀ for one sequence's rows.
-
-    Prefill expands K/V (kv_b) from a sequence's whole cached context, every row of which
-    belongs to the sequence's one adapter: two plain matmuls, no segments. Unused rank
-    columns of the slot are zero, so the full pool rank is exact.
-    Args:
-        latent: [ctx, C]; out: [ctx, H·(nope+v)], written in place.
-    """
-    out += (latent @ weights.a[slot].T) @ weights.b[slot].T  # [ctx, R] → [ctx, H·(nope+v)]
-
-
 def add_kv_b_absorbed_q(
     q_nope: Tensor, q_lat: Tensor, weights: LoraWeights, segs: LoraSegments
 ) -> None:

@@ -30,14 +30,18 @@ class LoraBatch:
         step holds decodes only, None when no decode token uses an adapter.
     token_slots: host copy of the slot of each token (-1 = base model), which a CUDA-graph
         replay rebuilds its own fixed-size segments from.
-    seq_slots: host slot of each sequence: prefill expands K/V from a sequence's whole
-        cached context, which `tokens` does not describe.
+    seq_slots: host slot of each sequence.
+    context_rows: per prefill group (`BatchMetadata.prefill_groups`), segments of the
+        group's cached context rows laid end to end, each row with its sequence's slot:
+        prefill expands K/V (kv_b) from whole contexts, which `tokens` does not describe.
+        None for a group in which no sequence uses an adapter.
     """
 
     tokens: LoraSegments
     decode_tokens: LoraSegments | None
     token_slots: tuple[int, ...]
     seq_slots: tuple[int, ...]
+    context_rows: tuple[LoraSegments | None, ...] = ()
 
 
 def build_lora_batch(
@@ -46,6 +50,8 @@ def build_lora_batch(
     num_decode_seqs: int,
     slot_rank: Tensor,
     device: torch.device | str,
+    context_lens: Sequence[int] = (),
+    prefill_groups: Sequence[tuple[int, int]] = (),
 ) -> LoraBatch | None:
     """The LoRA metadata of a step, or None when no sequence uses an adapter (then no layer
     does any LoRA work).
@@ -56,6 +62,8 @@ def build_lora_batch(
         num_decode_seqs: sequences [0, num_decode_seqs) are decodes.
         slot_rank: the pool's int32 [num_slots] device tensor of loaded ranks (copied on
             the device, no host sync).
+        context_lens: cached tokens per sequence after this step (prefill K/V rows).
+        prefill_groups: [first, end) sequence ranges whose contexts are expanded together.
     """
     if len(seq_slots) != len(query_lens):
         raise ValueError(f"{len(seq_slots)} slots for {len(query_lens)} sequences")
@@ -71,4 +79,20 @@ def build_lora_batch(
     elif any(slot != NO_SLOT for slot in seq_slots[:num_decode_seqs]):
         decode_slots = token_slots[:num_decode_seqs]  # one token per decode sequence
         decode_tokens = build_lora_segments(decode_slots, slot_rank, device=device)
-    return LoraBatch(tokens, decode_tokens, token_slots, tuple(seq_slots))
+    context_rows = tuple(
+        _context_segments(seq_slots[b0:b1], context_lens[b0:b1], slot_rank, device)
+        for b0, b1 in prefill_groups
+    )
+    return LoraBatch(tokens, decode_tokens, token_slots, tuple(seq_slots), context_rows)
+
+
+def _context_segments(
+    slots: Sequence[int], context_lens: Sequence[int], slot_rank: Tensor, device: torch.device | str
+) -> LoraSegments | None:
+    """Segments of the sequences' context rows end to end (None when no adapter is used)."""
+    if all(slot == NO_SLOT for slot in slots):
+        return None
+    rows = torch.tensor(list(slots), dtype=torch.int32).repeat_interleave(
+        torch.tensor(list(context_lens))
+    )  # [Σ ctx]
+    return build_lora_segments(rows, slot_rank, device=device)

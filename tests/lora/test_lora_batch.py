@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from adapter_store.format import model_lora_shapes
-from inference_svc.engine.batch import SequenceStep, build_batch
+from inference_svc.engine.batch import SequenceStep, build_batch, prefill_groups
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.model.config import parse_config
@@ -53,6 +53,35 @@ def test_mixed_step_gets_separate_decode_segments():
     assert lora.tokens.slot_rank.tolist() == RANKS.tolist()
     assert lora.decode_tokens.num_tokens == 2
     assert _live(lora.decode_tokens) == [(0, 1, 2), (1, 2, -1)]
+
+
+def test_prefill_context_rows_get_segments_per_group(monkeypatch):
+    """Prefill K/V rows: each prefill sequence's whole context (cached + new) with its slot,
+    end to end per group; a group without adapters has none."""
+    monkeypatch.setattr("inference_svc.engine.batch.PREFILL_GROUP_ROWS", 9)
+    seqs = [_step(1, 2), SequenceStep(2, 3, (0, 1), lora_slot=0), _step(4, -1), _step(5, 2)]
+    batch = build_batch(seqs, 4, "cpu", RANKS)
+    # contexts 5, 4, 5 (decode first is not a prefill): 5 + 4 fit in 9 rows, 5 does not.
+    assert batch.prefill_groups == ((1, 3), (3, 4))
+    first, second = batch.lora.context_rows
+    assert first.num_tokens == 9 and _live(first) == [(0, 5, 0), (5, 9, -1)]
+    assert second.num_tokens == 5 and _live(second) == [(0, 5, 2)]
+    base_only = build_batch([_step(1, 2), _step(4, -1)], 4, "cpu", RANKS)
+    assert base_only.prefill_groups == ((1, 2),) and base_only.lora.context_rows == (None,)
+
+
+@pytest.mark.parametrize(
+    "contexts,first,max_rows,groups",
+    [
+        ([3, 4, 5], 0, 100, ((0, 3),)),
+        ([3, 4, 5], 1, 9, ((1, 3),)),
+        ([3, 4, 5], 0, 7, ((0, 2), (2, 3))),
+        ([10, 2, 2, 10], 0, 4, ((0, 1), (1, 3), (3, 4))),  # a long context is a group alone
+        ([1, 1], 2, 8, ()),  # no prefill sequence
+    ],
+)
+def test_prefill_groups_cover_every_prefill_sequence_once(contexts, first, max_rows, groups):
+    assert prefill_groups(contexts, first, max_rows) == groups
 
 
 def test_decode_only_step_shares_its_segments():

@@ -51,11 +51,18 @@ def test_one_peft_adapter_prefill(spec, tiny_model_dirs):
     _check(scenario, [peft_model], base=build_tiny_model(spec))
 
 
+@pytest.mark.parametrize("group_rows", [None, 12], ids=["one_group", "groups_of_12_rows"])
 @pytest.mark.parametrize("spec", SPECS)
-def test_mixed_adapters_and_base_in_one_batch_prefill_and_decode(spec, tiny_model_dirs):
+def test_mixed_adapters_and_base_in_one_batch_prefill_and_decode(
+    spec, tiny_model_dirs, group_rows, monkeypatch
+):
     """Adapters of ranks 4, 8 and 16 (one with rslora and patterns) and the base model share
     every step: prefill chunks on a cached prefix, a step mixing decodes and prefills, then
-    paged decodes through the absorbed kv_b correction, sequences ending unevenly."""
+    paged decodes through the absorbed kv_b correction, sequences ending unevenly. With
+    `group_rows` the prefill K/V expansion is cut into groups of sequences (and a context
+    longer than a group alone), each with its own context-row LoRA segments."""
+    if group_rows is not None:
+        monkeypatch.setattr("inference_svc.engine.batch.PREFILL_GROUP_ROWS", group_rows)
     runner = make_runner(tiny_model_dirs[spec], spec, num_slots=4, max_rank=16)
     cases = [
         peft_case(spec, rank=4, seed=3),
