@@ -41,7 +41,7 @@ class HostState(enum.Enum):
 
 @dataclass(frozen=True)
 class SlotCopy:
-    """A copy into a GPU slot: `load.wait_on()` before a forward reads the slot."""
+    """A copy into a GPU slot; the scheduler starts the adapter's requests once `load.done()`."""
 
     key: AdapterKey
     load: SlotLoad

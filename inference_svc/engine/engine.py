@@ -115,8 +115,6 @@ class LLMEngine:
         if not out.scheduled:
             self._update_gauges()
             return 0
-        for load in out.slot_loads:
-            load.wait_on()
         # Observed before the outputs leave, so a client that reads the metrics once its
         # stream ends finds its last step counted.
         self.metrics.batch_tokens.observe(out.num_tokens)

@@ -69,7 +69,6 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
-    slot_loads: list[SlotLoad] = field(default_factory=list)  # copies the step must wait for
     failed: list[tuple[Sequence, LoraserveError]] = field(default_factory=list)
 
     @property
@@ -113,7 +112,8 @@ class Scheduler:
         self._queues: OrderedDict[AdapterKey, deque[Sequence]] = OrderedDict()
         self._by_id: dict[str, Sequence] = {}
         self._tickets: list[PrefetchTicket] = []
-        self._slot_loads: list[SlotLoad] = []
+        # Slot copies in flight: their adapters' requests start once the copy has landed.
+        self._loading: dict[AdapterKey, SlotLoad] = {}
         self._failed_now: list[tuple[Sequence, LoraserveError]] = []
         self.residency_version = 0  # bumped whenever a slot or host entry changes
 
@@ -219,8 +219,6 @@ class Scheduler:
         self._admit(out, budget)
         # Decodes first: the batch layout puts 1-token sequences before prefill chunks.
         out.scheduled.sort(key=lambda s: s.query_len != 1)
-        self._slot_loads = [load for load in self._slot_loads if not load.done()]
-        out.slot_loads = list(self._slot_loads)
         out.failed, self._failed_now = self._failed_now, []
         return out
 
@@ -318,6 +316,11 @@ class Scheduler:
 
     def _advance_adapter(self, adapter: AdapterBinding) -> tuple[_Progress, LoraserveError | None]:
         key = adapter.key
+        loading = self._loading.get(key)
+        if loading is not None:
+            if not loading.done():
+                return _Progress.WAIT, None
+            del self._loading[key]
         if self.slots.is_ready(key):
             return _Progress.READY, None
         if self.slots.slot_of(key) is not None:
@@ -347,11 +350,16 @@ class Scheduler:
             return _Progress.WAIT, None
         self.slots.mark_loaded(key)
         self.slots.release(handle)
-        self._slot_loads.append(copy.load)
         if handle.evicted is not None:
             self.metrics.slot_evictions.inc()
         self.residency_version += 1
-        return _Progress.READY, None
+        if copy.load.done():
+            return _Progress.READY, None
+        # The copy runs on the pool's side stream (~11 ms for a 582 MB adapter over PCIe):
+        # the adapter's requests start in a later step, once it has landed, so no step
+        # waits for it and the other requests go on meanwhile.
+        self._loading[key] = copy.load
+        return _Progress.WAIT, None
 
     def _serve_tickets(self) -> None:
         for ticket in list(self._tickets):

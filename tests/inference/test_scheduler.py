@@ -6,6 +6,7 @@ The engine's part (running the batch, appending tokens) is played by `complete`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -159,6 +160,56 @@ def test_waiting_adapter_does_not_hold_up_others() -> None:
     gate.set()
     drain(scheduler)
     assert slow.finish_reason is FinishReason.LENGTH
+
+
+class InFlight:
+    """A slot copy still running on the GPU's side stream until `land()`."""
+
+    def __init__(self) -> None:
+        self.landed = False
+
+    def land(self) -> None:
+        self.landed = True
+
+    def done(self) -> bool:
+        return self.landed
+
+
+def test_slot_copy_in_flight_holds_up_only_its_own_requests(monkeypatch) -> None:
+    """An adapter whose host→GPU copy is still running: its requests start in the first
+    step after the copy landed, and the others run meanwhile (the engine makes no step
+    wait for a copy)."""
+    scheduler, _, _ = make_scheduler()
+    copy, issued = InFlight(), []
+    load_into_slot = scheduler.residency.load_into_slot
+
+    def in_flight(slot, key):  # type: ignore[no-untyped-def]
+        issued.append(key)
+        return dataclasses.replace(load_into_slot(slot, key), load=copy)
+
+    monkeypatch.setattr(scheduler.residency, "load_into_slot", in_flight)
+    waiting, base = seq("copying"), seq(None, max_new=8)
+    scheduler.add(waiting)
+    scheduler.add(base)
+    for _ in range(200):  # until the download landed and the slot copy was issued
+        out = scheduler.schedule()
+        assert waiting not in [s.seq for s in out.scheduled]
+        complete(scheduler, out)
+        if issued:
+            break
+        threading.Event().wait(0.01)
+    assert issued == [waiting.adapter_key]
+    for _ in range(3):
+        out = scheduler.schedule()
+        assert waiting not in [s.seq for s in out.scheduled]
+        complete(scheduler, out)
+    assert base.status is not SequenceStatus.WAITING
+    copy.land()
+    out = scheduler.schedule()
+    assert waiting in [s.seq for s in out.scheduled]
+    complete(scheduler, out)
+    drain(scheduler)
+    assert waiting.finish_reason is FinishReason.LENGTH
 
 
 def test_more_adapters_than_slots_wait_for_a_free_slot() -> None:
