@@ -28,8 +28,7 @@ from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
 MAX_SLICES = 3
 # Launchers size grids to about this many programs (2 waves on an H100's 132 SMs).
 _TARGET_PROGRAMS = 264
-# Column offset of an absent slice: past any real output.
-UNUSED_OFFSET = 2**30
+_UNUSED = 2**30
 
 
 @triton.jit
@@ -452,7 +451,7 @@ def sgmv_shrink(
     """
     num_tokens, k_dim = x.shape
     plan = SHRINK_VARIANTS[variant]
-    check_pool(A, x.dtype, 3, "A")
+    _check_pool(A, x.dtype, 3, "A")
     if A.shape[2] != k_dim or A.shape[1] % num_slices:
         raise ValueError(f"A {tuple(A.shape)} does not fit x {tuple(x.shape)}, {num_slices} slices")
     pool_rank = A.shape[1] // num_slices
@@ -518,7 +517,7 @@ def sgmv_expand(
     num_slices = len(slice_offsets) - 1
     num_tokens, out_total = out.shape
     plan = EXPAND_VARIANTS[variant]
-    check_pool(B, B.dtype, 3, "B")
+    _check_pool(B, B.dtype, 3, "B")
     pool_rank = B.shape[2]
     if not 1 <= num_slices <= MAX_SLICES:
         raise ValueError(f"expand supports 1..{MAX_SLICES} slices, got {num_slices}")
@@ -539,11 +538,11 @@ def sgmv_expand(
     else:
         block_n = plan.block
     block_cols = [0] * (MAX_SLICES + 1)
-    slice_cols = [*slice_offsets[1:-1], *[UNUSED_OFFSET] * (MAX_SLICES - num_slices)]
+    slice_cols = [*slice_offsets[1:-1], *[_UNUSED] * (MAX_SLICES - num_slices)]
     for i in range(num_slices):
         width = slice_offsets[i + 1] - slice_offsets[i]
         block_cols[i + 1] = block_cols[i] + triton.cdiv(width, block_n)
-    slice_blocks = [*block_cols[1:num_slices], *[UNUSED_OFFSET] * (MAX_SLICES - num_slices)]
+    slice_blocks = [*block_cols[1:num_slices], *[_UNUSED] * (MAX_SLICES - num_slices)]
     n_blocks = block_cols[num_slices]
     programs = grid_segments * n_blocks
     if plan.planned:
@@ -593,8 +592,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float32 else dtype
 
 
-def check_pool(w: Tensor, dtype: torch.dtype, ndim: int, name: str) -> None:
-    """A pool buffer: `ndim`-D, of `dtype`, contiguous in its last dim."""
+def _check_pool(w: Tensor, dtype: torch.dtype, ndim: int, name: str) -> None:
     if w.dim() != ndim or w.dtype != dtype:
         raise ValueError(f"{name} must be {ndim}-D {dtype}, got {tuple(w.shape)} {w.dtype}")
     if w.stride(-1) != 1:

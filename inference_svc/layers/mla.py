@@ -140,28 +140,29 @@ class MLAAttention(nn.Module):
         start = batch.num_decode_tokens
         for group, (b0, b1) in enumerate(batch.prefill_groups):
             contexts = batch.context_lens_host[b0:b1]
+            sequences = list(zip(range(b0, b1), contexts, strict=True))
             rows = torch.cat(
-                [gather_paged_rows(kv_pool, batch.page_table[b], n) for b, n in zip(
-                    range(b0, b1), contexts, strict=True)]
-            )  # [Σctx, C+R]  # fmt: skip
+                [gather_paged_rows(kv_pool, batch.page_table[b], ctx) for b, ctx in sequences]
+            )  # [Σctx, C+R]
             latent, k_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             lora = batch.lora.context_rows[group] if batch.lora is not None else None
             kv = self.kv_b(latent.to(q_full.dtype), lora)  # [Σctx, H·(n+v)]
             kv = kv.view(kv.shape[0], self.num_heads, -1)
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [Σctx, H, n], [.., v]
             first_row = 0
-            for b, ctx in zip(range(b0, b1), contexts, strict=True):
+            for b, ctx in sequences:
                 own = slice(first_row, first_row + ctx)
                 first_row += ctx
                 k = torch.cat(
                     [k_nope[own], k_rope[own, None, :].expand(-1, self.num_heads, -1)], dim=-1
                 )  # [ctx, H, n+R]
+                v_own = v[own]  # [ctx, H, v]
                 q_len = batch.query_lens[b]
                 for c0 in range(0, q_len, PREFILL_CHUNK):
                     c1 = min(q_len, c0 + PREFILL_CHUNK)
                     offset = ctx - q_len + c0
                     out[start + c0 : start + c1] = attend(
                         q_full[start + c0 : start + c1], k[: offset + c1 - c0],
-                        v[own][: offset + c1 - c0], self.scale, offset,
+                        v_own[: offset + c1 - c0], self.scale, offset,
                     )  # fmt: skip
                 start += q_len

@@ -72,11 +72,9 @@ def start_linear_lora(
     # Allocated on the current stream, which waits for the side stream before it frees y.
     y = torch.empty(x.shape[0], weights.a.shape[1], dtype=torch.float32, device=x.device)
     side = lora_side_stream(x.device)
-    if side is None:
-        sgmv_shrink(x, weights.a, segs, num_slices, out=y)
-        return PendingLinearLora(y, None)
-    side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side):
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):  # None: the current stream
         sgmv_shrink(x, weights.a, segs, num_slices, out=y)
     return PendingLinearLora(y, side)
 
