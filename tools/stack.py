@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,17 +27,34 @@ from typing import Any, TypeVar
 
 READY_TIMEOUT_S = 60.0
 REPO_ROOT = Path(__file__).resolve().parents[1]
+PORT_FLOOR = 10000  # below it: well-known and registered service ports
+# A server whose drawn port was taken between the check and its bind (another test's server
+# drawing the same one) is started again on a fresh port, this many times in all.
+PORT_ATTEMPTS = 3
+PORT_TAKEN = "Address already in use"
 
 
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (and whose +10000 is free too)."""
+    """A TCP port that was free on 127.0.0.1 a moment ago (and whose +10000 is free too).
+
+    Drawn below the kernel's ephemeral range: a port from there (what bind(0) hands out) is
+    also what the next outgoing connection of any process may take, between our check and
+    the server's own bind.
+    """
+    rng = random.SystemRandom()
+    high = max(min(_ephemeral_start(), 65536) - 10000, PORT_FLOOR + 1000)
     for _ in range(200):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port < 50000 and _port_free(port):
+        port = rng.randrange(PORT_FLOOR, high)
+        if _port_free(port) and _port_free(port + 10000):
             return port
     raise RuntimeError("no free port found")
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (FileNotFoundError, IndexError, ValueError):
+        return 32768  # Linux's default; macOS starts at 49152
 
 
 def _port_free(port: int) -> bool:
@@ -357,11 +375,16 @@ class ServiceProcess:
     module: str
     args: list[str]
     workdir: Path
-    port: int = field(default_factory=free_port)
+    port: int = 0  # 0: a free one, drawn again if another process takes it first
     env: dict[str, str] = field(default_factory=dict)
     detached: bool = False
     tls_ca: Path | None = None  # the server serves TLS; health checks trust this CA
     process: Process | None = None
+
+    def __post_init__(self) -> None:
+        self._port_drawn = self.port == 0
+        if self._port_drawn:
+            self.port = free_port()
 
     @property
     def address(self) -> str:
@@ -375,6 +398,15 @@ class ServiceProcess:
         return [sys.executable, "-m", self.module, "serve", "--port", str(self.port), *self.args]
 
     def start(self, timeout_s: float = 90.0) -> ServiceProcess:
+        for _ in range(PORT_ATTEMPTS - 1):
+            self.start_process()
+            try:
+                self.wait_ready(timeout_s)
+                return self
+            except TimeoutError as error:
+                if not (self._port_drawn and PORT_TAKEN in str(error)):
+                    raise
+            self.port = free_port()
         self.start_process()
         self.wait_ready(timeout_s)
         return self
