@@ -14,6 +14,7 @@ they describe empty segments / slot -1 tokens, which every kernel skips.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -75,6 +76,18 @@ class LoraSegments:
         """Launchers call this: the activations must hold exactly the described tokens."""
         if num_tokens != self.num_tokens:
             raise ValueError(f"tensor has {num_tokens} tokens, segments describe {self.num_tokens}")
+
+    def with_slot_rank(self, slot_rank: Tensor) -> LoraSegments:
+        """The same segments read with other per-slot ranks (e.g. one module's: 0 where a
+        slot's adapter does not target it, so its kernels skip those tokens' work)."""
+        if slot_rank.shape != self.slot_rank.shape or slot_rank.device != self.slot_rank.device:
+            raise ValueError(
+                f"slot_rank {tuple(slot_rank.shape)} on {slot_rank.device} does not match the "
+                f"segments' {tuple(self.slot_rank.shape)} on {self.slot_rank.device}"
+            )
+        view = copy.copy(self)
+        view.slot_rank = slot_rank
+        return view
 
     def grid_segments(self) -> int:
         """Segment programs a launcher starts: the live count, or the capacity while a CUDA

@@ -37,11 +37,18 @@ from kernels.sgmv import sgmv_expand, sgmv_expand_ref, sgmv_shrink, sgmv_shrink_
 class LoraWeights:
     """One module instance's pool buffers (views, so slot loads show through).
 
-    a: [S, stack·R, in] (MoE: [S, E, stack·R, in]); b: [S, out, R] (MoE: [S, E, out, R]).
+    a: [S, stack·R, in] (MoE: [S, E, stack·R, in]); b: [S, out, R] (MoE: [S, E, out, R]);
+    rank: int32 [S] each slot's rank in this module, 0 where its adapter does not target it.
     """
 
     a: Tensor
     b: Tensor
+    rank: Tensor
+
+    def segments(self, segs: LoraSegments) -> LoraSegments:
+        """The batch's segments as this module's kernels read them: tokens of adapters
+        that do not target the module do no work (their pool weights are zeros)."""
+        return segs.with_slot_rank(self.rank)
 
 
 @dataclass(frozen=True)
@@ -68,14 +75,16 @@ def start_linear_lora(
     Args: x [T, in]; num_slices: stacked slices S of the module.
     """
     if not x.is_cuda:
-        return PendingLinearLora(sgmv_shrink_ref(x, weights.a, segs, num_slices), None)
+        return PendingLinearLora(
+            sgmv_shrink_ref(x, weights.a, weights.segments(segs), num_slices), None
+        )
     # Allocated on the current stream, which waits for the side stream before it frees y.
     y = torch.empty(x.shape[0], weights.a.shape[1], dtype=torch.float32, device=x.device)
     side = lora_side_stream(x.device)
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):  # None: the current stream
-        sgmv_shrink(x, weights.a, segs, num_slices, out=y)
+        sgmv_shrink(x, weights.a, weights.segments(segs), num_slices, out=y)
     return PendingLinearLora(y, side)
 
 
@@ -93,11 +102,11 @@ def finish_linear_lora(
         slice_offsets: S+1 column offsets of the stacked slices (0 first, out last).
     """
     if not out.is_cuda:
-        sgmv_expand_ref(pending.y, weights.b, out, segs, slice_offsets)
+        sgmv_expand_ref(pending.y, weights.b, out, weights.segments(segs), slice_offsets)
         return
     if pending.stream is not None:
         torch.cuda.current_stream(out.device).wait_stream(pending.stream)
-    sgmv_expand(pending.y, weights.b, out, segs, slice_offsets)
+    sgmv_expand(pending.y, weights.b, out, weights.segments(segs), slice_offsets)
 
 
 def add_kv_b_absorbed_q(
@@ -108,7 +117,7 @@ def add_kv_b_absorbed_q(
     Args: q_nope [D, H, nope]; q_lat [D, H, C] written in place.
     """
     apply = mla_kv_b_lora_q if q_nope.is_cuda else mla_kv_b_lora_q_ref
-    apply(q_nope, q_lat, weights.a, weights.b, segs)
+    apply(q_nope, q_lat, weights.a, weights.b, weights.segments(segs))
 
 
 def add_kv_b_absorbed_o(o_lat: Tensor, o: Tensor, weights: LoraWeights, segs: LoraSegments) -> None:
@@ -117,7 +126,7 @@ def add_kv_b_absorbed_o(o_lat: Tensor, o: Tensor, weights: LoraWeights, segs: Lo
     Args: o_lat [D, H, C]; o [D, H, v] written in place.
     """
     apply = mla_kv_b_lora_o if o_lat.is_cuda else mla_kv_b_lora_o_ref
-    apply(o_lat, o, weights.a, weights.b, segs)
+    apply(o_lat, o, weights.a, weights.b, weights.segments(segs))
 
 
 def add_moe_gate_up(
@@ -136,6 +145,7 @@ def add_moe_gate_up(
     (the kernels walk long batches in it; it does not change the result).
     """
     apply = moe_lora_gate_up if x.is_cuda else moe_lora_gate_up_ref
+    segs = weights.segments(segs)
     apply(x, inter, weights.a, weights.b, pair_token, pair_expert, segs, pair_order=pair_order)
 
 
@@ -154,4 +164,5 @@ def add_moe_down(
     pair_order as in `add_moe_gate_up`.
     """
     apply = moe_lora_down if act.is_cuda else moe_lora_down_ref
+    segs = weights.segments(segs)
     apply(act, down_out, weights.a, weights.b, pair_token, pair_expert, segs, pair_order=pair_order)

@@ -40,7 +40,9 @@ def attach_lora_pool(model: DeepseekV3Model, pool: LoraPool) -> None:
             f"LoRA pool does not fit the model: lacks {missing[:5]}, has extra {sorted(extra)[:5]}"
         )
     for layer, module, owner, attribute in targets:
-        weights = LoraWeights(pool.lora_a(layer, module), pool.lora_b(layer, module))
+        weights = LoraWeights(
+            pool.lora_a(layer, module), pool.lora_b(layer, module), pool.rank_of(layer, module)
+        )
         if isinstance(owner, Linear):
             _check_linear(owner, weights, layer, module)
         setattr(owner, attribute, weights)

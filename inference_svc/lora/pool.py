@@ -6,11 +6,15 @@ Per canonical module and decoder layer (legend: S slots, R max rank, E routed ex
     lora_a(layer, module)   [S, stack*R, in]        MoE: [S, E, stack*R, in]
     lora_b(layer, module)   [S, out_total, R]       MoE: [S, E, out_total, R]
     slot_rank               int32 [S]               the loaded adapter's rank, 0 = empty
+    module_rank             int32 [instances, S]    per module instance: the rank, 0 where
+                                                    the slot's adapter does not target it
 
 Slice `s` of A owns rows `s*R : s*R + r`; B owns columns `:r` (r = the adapter's rank). The
 rows/columns from r to R are zero, and so is every module an adapter does not target, so a
 rank-8 adapter in a rank-64 pool gives exact results and kernels may read only `slot_rank`
-rank rows.
+rank rows. The model's modules read their own row of `module_rank`, so the kernels skip the
+tokens of an adapter that does not target the module (an attention-only adapter reads no
+routed-expert LoRA weights) instead of multiplying its zeros.
 
 MoE "shared_outer" adapters store one `lora_A` of `moe.gate_up` and one `lora_B` of
 `moe.down` (leading dim 1). The pool has one layout for all adapters: the shared part is
@@ -54,6 +58,7 @@ from adapter_store.errors import FailedPrecondition
 from adapter_store.format import (
     CanonicalAdapter,
     LoraPart,
+    Manifest,
     ModuleShape,
     module_key,
     tensor_name,
@@ -244,6 +249,10 @@ class LoraPool:
                 self._b[layer, shape.module] = b_all[index]
                 self._shape_of[layer, shape.module] = shape
         self.slot_rank = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
+        self._instance_row = {key: row for row, key in enumerate(self._a)}
+        self.module_rank = torch.zeros(
+            (len(self._instance_row), num_slots), dtype=torch.int32, device=self.device
+        )
         # Host mirror of slot_rank, for building batch metadata without a device read.
         self.slot_rank_host = [0] * num_slots
         self.packing = SlotPacking.for_shapes(shapes, self.dtype)
@@ -272,6 +281,11 @@ class LoraPool:
     def lora_b(self, layer: int, module: str) -> Tensor:
         """B buffer of one module instance: [S, out_total, R] (MoE [S, E, out_total, R])."""
         return self._b[layer, module]
+
+    def rank_of(self, layer: int, module: str) -> Tensor:
+        """int32 [S] rank of each slot's adapter in one module instance (0: not targeted);
+        a view, so loads show through."""
+        return self.module_rank[self._instance_row[layer, module]]
 
     def module_instances(self) -> list[tuple[int, str]]:
         """(layer, module) of every module instance the pool holds."""
@@ -336,9 +350,18 @@ class LoraPool:
             else:
                 self._load_tensors(slot, adapter)
             self.slot_rank[slot] = r
+            self.module_rank[:, slot].copy_(self._module_ranks(adapter.manifest))
             event = self._record()
         self.slot_rank_host[slot] = r
         return SlotLoad(slot, event)
+
+    def _module_ranks(self, manifest: Manifest) -> Tensor:
+        """int32 [instances]: each targeted module instance's true rank (≤ the adapter's:
+        a rank_pattern module's columns past its own rank are zero), 0 elsewhere."""
+        ranks = torch.zeros(len(self._instance_row), dtype=torch.int32)
+        for key, rank in zip(manifest.modules, manifest.module_ranks.values(), strict=True):
+            ranks[self._instance_row[key]] = rank
+        return ranks
 
     def _load_packed(self, slot: int, adapter: PackedAdapter) -> None:
         """On the side stream: zero what the runs leave, then stage and scatter the chunks."""
@@ -416,6 +439,7 @@ class LoraPool:
         with self._on_side_stream():
             self._zero_slot(slot)
             self.slot_rank[slot] = 0
+            self.module_rank[:, slot] = 0
             event = self._record()
         self.slot_rank_host[slot] = 0
         return SlotLoad(slot, event)

@@ -138,12 +138,8 @@ def _must_not_run(*args, **kwargs):
     raise AssertionError("a batch without adapters ran a LoRA kernel")
 
 
-@pytest.mark.parametrize("moe_variant", ["auto", "runs"])
-def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatch, moe_variant):
-    """The LoRA deltas through the Triton launchers (interpreted on CPU): their integration
-    (strides of q_nope / q_lat views, stacked slices, per-pair MoE rows, decode segments of
-    a mixed step) checked end to end. The tiny batches take the "pairs" MoE kernel; "runs"
-    (prefill-sized batches) walks the pairs in the base MoE's expert order."""
+def _route_through_triton(monkeypatch, moe_variant: str) -> None:
+    """Make the model's LoRA calls take the Triton launchers (interpreted on the CPU)."""
     import functools
 
     from inference_svc.lora import apply
@@ -159,6 +155,15 @@ def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatc
             if module is moe_lora:
                 launcher = functools.partial(launcher, variant=moe_variant)
             monkeypatch.setattr(apply, f"{name}_ref", launcher)
+
+
+@pytest.mark.parametrize("moe_variant", ["auto", "runs"])
+def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatch, moe_variant):
+    """The LoRA deltas through the Triton launchers (interpreted on CPU): their integration
+    (strides of q_nope / q_lat views, stacked slices, per-pair MoE rows, decode segments of
+    a mixed step) checked end to end. The tiny batches take the "pairs" MoE kernel; "runs"
+    (prefill-sized batches) walks the pairs in the base MoE's expert order."""
+    _route_through_triton(monkeypatch, moe_variant)
     spec = "v3_q_lora"
     runner = make_runner(tiny_model_dirs[spec], spec, num_slots=3, max_rank=16)
     cases = [peft_case(spec, rank=4, seed=14), peft_case(spec, rank=16, seed=15)]
@@ -168,3 +173,28 @@ def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatc
     scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, [2, -1, 0], strict=True)])
     scenario.run([3, 4, 0], [1, 1, 3])
     _check(scenario, [cases[0][0], build_tiny_model(spec), cases[1][0]])
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton", "triton_runs"])
+def test_modules_an_adapter_does_not_target_are_not_read(tiny_model_dirs, monkeypatch, kernels):
+    """An attention-only adapter next to one on the routed experts: the MoE LoRA kernels
+    read its slot at rank 0 (`LoraPool.rank_of`), so even garbage in its (untargeted) expert
+    buffers changes nothing; the other adapter's expert LoRA still acts."""
+    if kernels != "reference":
+        _route_through_triton(monkeypatch, "runs" if kernels == "triton_runs" else "auto")
+    spec = "v3_q_lora"
+    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=8)
+    attention_only = peft_case(spec, rank=4, seed=17, target_parameters=None)
+    with_experts = peft_case(spec, rank=8, seed=18)
+    for slot, (_, adapter) in enumerate((attention_only, with_experts)):
+        runner.lora_pool.load(slot, adapter)
+    pool = runner.lora_pool
+    for layer, module in pool.module_instances():
+        if module.startswith("moe."):
+            assert pool.rank_of(layer, module).tolist() == [0, 8]
+            pool.lora_a(layer, module)[0].fill_(1e3)
+            pool.lora_b(layer, module)[0].fill_(1e3)
+    tokens = random_tokens([8, 6], seed=19)
+    scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, [0, 1], strict=True)])
+    scenario.run([5, 6], [1, 0])
+    _check(scenario, [attention_only[0], with_experts[0]], base=build_tiny_model(spec))
