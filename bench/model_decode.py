@@ -11,6 +11,7 @@ kernels by class (launches and µs per step) for the graph replay and for an eag
 
 The model is V2-Lite's shape with `q_lora_rank: 1536` (27 layers, 64 routed experts, top-6,
 2 shared). Each batch size decodes one token per sequence against `--context` cached tokens.
+`--experts fp8` block-quantizes the routed experts (bench/fp8_experts.py).
 Floor = (bytes of weights the step reads + KV bytes read) ÷ measured copy bandwidth, where
 routed experts count as the expected number of distinct experts a uniform router picks.
 """
@@ -22,6 +23,12 @@ from pathlib import Path
 
 import torch
 
+from bench.fp8_experts import (
+    EXPERT_WEIGHTS,
+    FP8_BLOCK,
+    SMOKE_FP8_BLOCK,
+    quantize_routed_experts,
+)
 from bench.gpu_timing import bar_plot, copy_bandwidth, device_name, time_ms, write_json
 from bench.kernel_variants import VARIANTS, kernel_variant
 from bench.step_profile import profile_step
@@ -155,6 +162,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, no graphs")
     parser.add_argument("--variants", nargs="+", default=["v2"], choices=sorted(VARIANTS))
     parser.add_argument("--profile", action="store_true", help="kernel-class summary per step")
+    parser.add_argument(
+        "--experts", choices=EXPERT_WEIGHTS, default="bf16", help="routed experts' weights"
+    )
     args = parser.parse_args()
 
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -167,6 +177,8 @@ def main() -> None:
     context = min(args.context, 64) if args.smoke else args.context
     page_size = 16
     model = random_model(config, device, dtype)
+    if args.experts == "fp8":
+        quantize_routed_experts(model, SMOKE_FP8_BLOCK if args.smoke else FP8_BLOCK)
     max_batch = max(batch_sizes)
     runner = ModelRunner(
         model,
@@ -206,6 +218,7 @@ def main() -> None:
         "dtype": str(dtype),
         "copy_bandwidth_bytes_per_s": bandwidth,
         "config": raw,
+        "experts": args.experts,
         "cuda_graphs": device.type == "cuda",
     }
     write_json(args.json, meta, rows)
@@ -214,7 +227,8 @@ def main() -> None:
     series["floor"] = [r["floor_ms"] for r in rows if r["variant"] == args.variants[0]]
     bar_plot(
         args.plot,
-        f"decode step, V2-Lite shape (q_lora 1536), ctx {context}, {meta['device']}",
+        f"decode step, V2-Lite shape (q_lora 1536), {args.experts} experts, ctx {context}, "
+        f"{meta['device']}",
         labels,
         series,
         "ms",

@@ -9,8 +9,9 @@ slots (loaded and pinned through the LoadAdapter path first). Reported: time to 
 (from the request's arrival) and inter-token latency (gaps between a request's consecutive
 tokens), p50/p99, and the generated tokens/s achieved.
 
-Cold adapters: a run at `--cold-rate` with the adapter background load, into which probe
-requests are injected every `--probe-interval` s, cycling three kinds:
+Cold adapters: a run at `--cold-rate` with the adapter background load (0: none, the probes
+alone on an idle engine, which isolates what the adapter's load adds from queueing), into
+which probe requests are injected every `--probe-interval` s, cycling three kinds:
   warm       its adapter is in a GPU slot;
   host-cold  its adapter is in the host cache but in no slot (host → GPU slot load);
   file-cold  its adapter is in neither: read from local canonical files (read + parse +
@@ -19,6 +20,7 @@ requests are injected every `--probe-interval` s, cycling three kinds:
 TTFT added by a cold adapter = p50 (p99) of its kind − p50 (p99) of warm. Goal ≤ 100 ms.
 
     python3 -m bench.serve_online --out bench/results/serve_online.json
+    python3 -m bench.serve_online --out … --rates --cold-rate 0   # cold probes only, idle
     python -m bench.serve_online --out /tmp/serve_online.json --smoke   # CPU setup check
 """
 
@@ -42,11 +44,13 @@ from bench.serve_setup import (
     AdapterLibrary,
     ServeBenchConfig,
     adapter_names,
+    adapters_label,
     add_engine_args,
     build_engine,
     build_model,
     host_bytes_note,
     make_request,
+    model_label,
     now_iso,
     percentiles_ms,
     save,
@@ -94,6 +98,9 @@ class Trace:
 
 
 def poisson_times(rate: float, duration_s: float, seed: int) -> list[float]:
+    """Arrival times of a Poisson process at `rate` per s (none at rate 0)."""
+    if rate <= 0:
+        return []
     rng = random.Random(seed)
     times, t = [], rng.expovariate(rate)
     while t < duration_s:
@@ -228,7 +235,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax_cold.axhline(warm + GOAL_COLD_TTFT_ADDED_MS, color="red", linestyle="--",
                         label="warm p50 + 100 ms")  # fmt: skip
         ax_cold.set(xticks=list(xs), xticklabels=kinds, ylabel="TTFT ms")
-        ax_cold.set_title(f"cold adapters at {cold['rate']} req/s", fontsize=9)
+        load = f"at {cold['rate']:g} req/s" if cold["rate"] > 0 else "on an idle engine"
+        ax_cold.set_title(f"cold adapters {load}", fontsize=9)
         ax_cold.legend(fontsize=8)
     meta = results["meta"]
     fig.suptitle(
@@ -247,15 +255,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_engine_args(parser)
     parser.add_argument("--adapters", type=int, default=32, help="warm adapters of the LoRA runs")
-    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 16.0])
+    parser.add_argument(
+        "--rates", type=float, nargs="*", default=[4.0, 16.0], help="none: cold probes only"
+    )
     parser.add_argument("--duration", type=float, default=20.0, help="s of arrivals per run")
-    parser.add_argument("--cold-rate", type=float, default=4.0)
+    parser.add_argument(
+        "--cold-rate",
+        type=float,
+        default=4.0,
+        help="req/s of background load during the cold probes (0: probes on an idle engine)",
+    )
     parser.add_argument("--probes", type=int, default=8, help="cold probes of each kind")
     parser.add_argument("--probe-interval", type=float, default=1.0)
     parser.add_argument("--drain-timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.rates, args.duration, args.cold_rate = [2.0], 1.0, 1.0
+        args.rates = [min(rate, 2.0) for rate in args.rates[:1]]
+        args.duration, args.cold_rate = 1.0, min(args.cold_rate, 1.0)
         args.probes, args.probe_interval, args.adapters = 1, 0.5, 2
 
     config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=6)
@@ -278,7 +294,9 @@ def main(argv: list[str] | None = None) -> None:
                 "date": now_iso(),
                 "command": " ".join(["python3 -m bench.serve_online", *sys.argv[1:]]),
                 "device": device_name(torch.device(config.device)),
-                "model": "random DeepSeek-V2-Lite shape, q_lora_rank 1536",
+                "model": model_label(config),
+                "experts": config.experts,
+                "adapter_modules": adapters_label(config),
                 "layers": config.layers,
                 "full_model": config.layers == 27,
                 "dtype": config.dtype,

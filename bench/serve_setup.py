@@ -29,8 +29,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from adapter_store.format import CanonicalAdapter, Manifest, serialize
+from adapter_store.format import CANONICAL_MODULES, CanonicalAdapter, Manifest, serialize
 from adapter_store.synthetic import random_adapter
+from bench.fp8_experts import (
+    EXPERT_WEIGHTS,
+    FP8_BLOCK,
+    SMOKE_FP8_BLOCK,
+    quantize_routed_experts,
+)
 from bench.lora_decode_overhead import v2_lite_config
 from bench.model_decode import random_model
 from inference_svc.engine.engine import LLMEngine
@@ -61,6 +67,12 @@ ACTIVATION_RESERVE_GB = 8.0
 ADAPTER_STD = 0.02
 # The host cache's logical capacity: entries alias a few pinned weight sets (see above).
 HOST_CACHE_LOGICAL_GB = 1 << 20
+# What the adapters target: every canonical module (issue 9's adapters), or every module
+# but the routed experts (MLA, dense and shared-expert MLP: what most MoE fine-tunes train).
+ADAPTER_MODULES = {
+    "all": None,
+    "no-routed": tuple(m for m in CANONICAL_MODULES if not m.startswith("moe.")),
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +87,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
     parser.add_argument("--adapter-dir", type=Path, help="where adapter files go (default tmp)")
+    parser.add_argument(
+        "--experts",
+        choices=EXPERT_WEIGHTS,
+        default="bf16",
+        help="routed experts' weights: bf16, or fp8 block-quantized (bench.fp8_experts)",
+    )
+    parser.add_argument(
+        "--adapter-modules",
+        choices=sorted(ADAPTER_MODULES),
+        default="all",
+        help="modules the adapters target: all, or all but the routed experts",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, short runs")
 
 
@@ -91,6 +115,8 @@ class ServeBenchConfig:
     max_loras: int = 64  # slots, or fewer when the device memory left holds fewer
     max_queue: int = 4096
     distinct_weights: int = 2  # distinct adapter weight sets behind all adapter names
+    experts: str = "bf16"  # routed experts' weights: bf16 or fp8 (block-quantized)
+    adapter_modules: str = "all"  # a key of ADAPTER_MODULES
     smoke: bool = False
 
     def __post_init__(self) -> None:
@@ -102,6 +128,10 @@ class ServeBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_batch_tokens < self.max_num_seqs:
             raise ValueError("max_batch_tokens must be >= max_num_seqs")
+        if self.experts not in EXPERT_WEIGHTS:
+            raise ValueError(f"experts must be one of {EXPERT_WEIGHTS}, got {self.experts!r}")
+        if self.adapter_modules not in ADAPTER_MODULES:
+            raise ValueError(f"adapter_modules must be one of {sorted(ADAPTER_MODULES)}")
 
     @classmethod
     def from_args(
@@ -116,6 +146,8 @@ class ServeBenchConfig:
                 output_len=args.output_len,
                 max_num_seqs=args.max_num_seqs,
                 max_batch_tokens=args.max_batch_tokens,
+                experts=args.experts,
+                adapter_modules=args.adapter_modules,
             )
         return cls(
             layers=2,
@@ -125,6 +157,8 @@ class ServeBenchConfig:
             max_num_seqs=4,
             max_batch_tokens=smoke_max_batch_tokens,
             max_loras=smoke_max_loras,
+            experts=args.experts,
+            adapter_modules=args.adapter_modules,
             smoke=True,
         )
 
@@ -148,7 +182,23 @@ class ServeBenchConfig:
 def build_model(config: ServeBenchConfig) -> DeepseekV3Model:
     """The random-weight model, built once per process and shared by every engine."""
     dtype = torch.float32 if config.smoke else torch.bfloat16
-    return random_model(parse_config(config.hf_config), torch.device(config.device), dtype)
+    model = random_model(parse_config(config.hf_config), torch.device(config.device), dtype)
+    if config.experts == "fp8":
+        quantize_routed_experts(model, SMOKE_FP8_BLOCK if config.smoke else FP8_BLOCK)
+    return model
+
+
+def model_label(config: ServeBenchConfig) -> str:
+    """What the JSONs call the model: shape, and the routed experts' weights."""
+    experts = "FP8 block-quantized routed experts" if config.experts == "fp8" else "bf16"
+    return f"random DeepSeek-V2-Lite shape, q_lora_rank 1536, {experts}"
+
+
+def adapters_label(config: ServeBenchConfig) -> str:
+    """What the JSONs say the adapters target."""
+    if config.adapter_modules == "all":
+        return "every module, routed experts per expert"
+    return "every module but the routed experts (MLA, dense and shared-expert MLP)"
 
 
 def lora_memory_gb(model: DeepseekV3Model, config: ServeBenchConfig) -> float | None:
@@ -206,6 +256,7 @@ class AdapterLibrary:
             adapter = random_adapter(
                 config.hf_config,
                 config.rank,
+                modules=ADAPTER_MODULES[config.adapter_modules],
                 dtype=self.dtype,
                 seed=index,
                 base_model=BASE_MODEL,

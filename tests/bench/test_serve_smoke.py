@@ -44,6 +44,18 @@ def test_serve_online_smoke(tmp_path: Path) -> None:
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_serve_online_cold_probes_on_an_idle_engine(tmp_path: Path) -> None:
+    out = tmp_path / "serve_online_idle.json"
+    serve_online.main(["--out", str(out), "--smoke", "--rates", "--cold-rate", "0"])
+    results = json.loads(out.read_text())
+    assert results["runs"] == []
+    cold = results["cold"]
+    assert cold["rate"] == 0 and cold["probes_failed"] == 0
+    for kind in ("warm", "host-cold", "file-cold"):
+        assert cold["ttft"][kind]["n"] == 1 and cold["ttft"][kind]["p50_ms"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
 def test_serve_cold_path_smoke(tmp_path: Path) -> None:
     out = tmp_path / "cold.json"
     serve_cold_path.main(["--out", str(out), "--smoke"])

@@ -237,12 +237,29 @@ def check_replay_against_peft(
     }
 
 
+# One bf16 run is one draw of rounding errors, and a few ill-conditioned tokens land above
+# KL_BOUND in most correct draws: over 12 one-ulp re-roundings (tests/inference/bf16_spread.py)
+# the per-token bound failed for 8/12 of ours and 9/12 of transformers+peft's own bf16 run,
+# whose worst tokens reached 4.6e-3 (ours) and 3.4e-3 (peft). So the bound is held where a
+# correct bf16 run holds it whatever the draw: by most tokens, by each request's mean, and by
+# every token within WORST_TOKEN_KL (a wrong delta, scale or routing lands far above it).
+MIN_TOKENS_WITHIN_BOUND = 0.9
+WORST_TOKEN_KL = 1e-2
+
+
 def assert_replay_parity(reports: dict[str, NearTieReport]) -> None:
-    """Every token of every request within KL_BOUND of the oracle that routed as we did,
-    and near-tie flips rare (≤ MAX_FLIP_FRACTION of all tokens)."""
+    """Against the oracle that routed as we did: at least MIN_TOKENS_WITHIN_BOUND of all
+    tokens and each request's mean within KL_BOUND, every token within WORST_TOKEN_KL, and
+    near-tie flips rare (≤ MAX_FLIP_FRACTION of all tokens)."""
     for rid, report in reports.items():
         worst = int(report.kl.argmax())
-        assert report.kl[worst] <= KL_BOUND, f"{rid}: {report.describe(worst)}"
+        assert report.kl[worst] <= WORST_TOKEN_KL, f"{rid}: {report.describe(worst)}"
+        assert report.kl.mean() <= KL_BOUND, f"{rid}: mean KL {report.kl.mean():.2e}"
+    kl = torch.cat([r.kl for r in reports.values()])
+    within = float((kl <= KL_BOUND).float().mean())
+    assert within >= MIN_TOKENS_WITHIN_BOUND, (
+        f"only {within:.0%} of {len(kl)} tokens within KL {KL_BOUND:g}; worst per request: "
+        + ", ".join(f"{rid} {r.describe(int(r.kl.argmax()))}" for rid, r in reports.items())
+    )
     flips = sum(int(r.flipped.sum()) for r in reports.values())
-    tokens = sum(len(r.kl) for r in reports.values())
-    assert flips <= MAX_FLIP_FRACTION * tokens, f"{flips} of {tokens} tokens flipped at near-ties"
+    assert flips <= MAX_FLIP_FRACTION * len(kl), f"{flips} of {len(kl)} tokens flipped at near-ties"
