@@ -5,7 +5,10 @@
 #   bash bench/run_all.sh [RESULTS_DIR] [NAME ...]     (make bench = all, bench/results/latest)
 #
 # NAMEs pick a subset, in this order: ceilings lora_kernels model_decode lora_decode_overhead
-# lora_slot_load serve_offline_r16 serve_online serve_offline_r64. A benchmark cut off by its
+# lora_slot_load serve_offline_r16 serve_online serve_offline_r64, then the variants (not in
+# the ≈ 9 min of a plain run; name them): serve_offline_noroute (adapters off the routed
+# experts), serve_offline_fp8 (routed experts FP8 block-quantized), serve_cold_idle
+# (cold-adapter probes on an idle engine), model_decode_fp8. A benchmark cut off by its
 # limit keeps what it wrote (the serving ones rewrite their JSON after every scenario and
 # skip scenarios that would not fit: --time-budget). Logs: RESULTS_DIR/NAME.log.
 # Limits (s) can be changed per benchmark: LIMIT_<NAME>=300 bash bench/run_all.sh DIR NAME.
@@ -17,14 +20,18 @@ PY=${GPU_PY:-python3}
 mkdir -p "$OUT"
 START=$(date +%s)
 for name_limit in ceilings:30 lora_kernels:50 model_decode:50 lora_decode_overhead:45 \
-    lora_slot_load:45 serve_offline_r16:140 serve_online:120 serve_offline_r64:50; do
+    lora_slot_load:45 serve_offline_r16:140 serve_online:120 serve_offline_r64:50 \
+    model_decode_fp8:60 serve_offline_fp8:140 serve_offline_noroute:130 serve_cold_idle:100; do
   var="LIMIT_${name_limit%%:*}"
   declare "$var=${!var:-${name_limit##*:}}"
 done
 
+VARIANTS=" model_decode_fp8 serve_offline_fp8 serve_offline_noroute serve_cold_idle "
+
 run() {  # run NAME LIMIT_S MODULE ARGS...
   local name=$1 limit=$2
   shift 2
+  if [[ "$WANTED" == "  " && "$VARIANTS" == *" $name "* ]]; then return; fi
   if [[ "$WANTED" != "  " && "$WANTED" != *" $name "* ]]; then return; fi
   local began=$(date +%s)
   echo "== $name (limit ${limit} s)"
@@ -46,6 +53,17 @@ run serve_online "$LIMIT_serve_online" bench.serve_online --rank 16 --out "$OUT/
   --rates 4 16 --duration 10 --probes 6
 run serve_offline_r64 "$LIMIT_serve_offline_r64" bench.serve_offline --rank 64 \
   --out "$OUT/serve_offline_r64.json" --time-budget $(( LIMIT_serve_offline_r64 - 10 )) --scenarios "no LoRA" "N=32 uniform" "N=8 zipf" "N=1000 zipf"
+
+GOALS=("no LoRA" "N=32 uniform" "N=8 zipf" "N=1000 zipf")
+run serve_offline_noroute "$LIMIT_serve_offline_noroute" bench.serve_offline --rank 16 \
+  --adapter-modules no-routed --out "$OUT/serve_offline_noroute.json" \
+  --time-budget $(( LIMIT_serve_offline_noroute - 15 )) --scenarios "${GOALS[@]}"
+run serve_offline_fp8 "$LIMIT_serve_offline_fp8" bench.serve_offline --rank 16 --experts fp8 \
+  --out "$OUT/serve_offline_fp8.json" --time-budget $(( LIMIT_serve_offline_fp8 - 15 )) --scenarios "${GOALS[@]}"
+run serve_cold_idle "$LIMIT_serve_cold_idle" bench.serve_online --rank 16 --out "$OUT/serve_cold_idle.json" \
+  --rates --cold-rate 0 --probes 8 --probe-interval 0.5 --adapters 4
+run model_decode_fp8 "$LIMIT_model_decode_fp8" bench.model_decode --experts fp8 \
+  --json "$OUT/model_decode_fp8.json" --plot "$OUT/model_decode_fp8.png" --batch-sizes 1 64 256
 
 echo "== all done in $(( $(date +%s) - START )) s; results in $OUT"
 "$PY" -m bench.summary "$OUT"

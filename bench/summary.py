@@ -80,15 +80,20 @@ def sgmv_lines(results: Path) -> Iterator[Line]:
             yield _at_most(name, goal, min(times) if times else None)
 
 
+# Decode-step results: file stem -> the routed experts' weights.
+DECODE_RUNS = {"model_decode": "bf16", "model_decode_fp8": "FP8 experts"}
+
+
 def decode_lines(results: Path) -> Iterator[Line]:
-    data = _load(results / "model_decode.json")
-    for batch in (1, 64, 256):
-        name = f"decode step ÷ floor, B={batch} (no LoRA)"
-        if data is None:
-            yield _missing(name, "≤ 1.5")
-            continue
-        ratio = next((r["ratio"] for r in data["rows"] if r["batch"] == batch), None)
-        yield _at_most(name, 1.5, ratio)
+    for stem, label in DECODE_RUNS.items():
+        data = _load(results / f"{stem}.json")
+        for batch in (1, 64, 256):
+            name = f"decode step ÷ floor, B={batch} (no LoRA, {label})"
+            if data is None:
+                yield _missing(name, "≤ 1.5")
+                continue
+            ratio = next((r["ratio"] for r in data["rows"] if r["batch"] == batch), None)
+            yield _at_most(name, 1.5, ratio)
     data = _load(results / "lora_decode_overhead.json")
     name = "MoE LoRA cost ÷ base fused MoE, B=64, 8 adapters"
     yield _at_most(name, 0.25, data["moe"]["ratio"]) if data else _missing(name, "≤ 0.25")
@@ -113,11 +118,22 @@ def slot_load_lines(results: Path) -> Iterator[Line]:
             yield _at_most(name, 5.0, row["load_ms_median"])
 
 
+# Offline serving results run_all.sh writes: file stem -> what varies from the main run.
+OFFLINE_RUNS = {
+    "serve_offline_r16": "rank 16",
+    "serve_offline_r64": "rank 64",
+    "serve_offline_fp8": "rank 16, FP8 experts",
+    "serve_offline_noroute": "rank 16, adapters off the routed experts",
+}
+# Cold-adapter probes: file stem -> the load they ran under.
+COLD_RUNS = {"serve_online": "under load", "serve_cold_idle": "idle engine"}
+
+
 def serving_lines(results: Path) -> Iterator[Line]:
-    for rank in (16, 64):
-        data = _load(results / f"serve_offline_r{rank}.json")
-        name = f"offline tok/s N=32 uniform ÷ no LoRA, rank {rank}"
-        name_1000 = f"offline tok/s N=1000 zipf ÷ N=8 zipf, rank {rank}"
+    for stem, label in OFFLINE_RUNS.items():
+        data = _load(results / f"{stem}.json")
+        name = f"offline tok/s N=32 uniform ÷ no LoRA, {label}"
+        name_1000 = f"offline tok/s N=1000 zipf ÷ N=8 zipf, {label}"
         if data is None or "ratios" not in data:
             yield _missing(name, "≥ 0.9")
             yield _missing(name_1000, "≥ 0.95")
@@ -125,13 +141,14 @@ def serving_lines(results: Path) -> Iterator[Line]:
         layers = "" if data["meta"]["full_model"] else f" [{data['meta']['layers']} layers]"
         yield _at_least(name + layers, 0.90, data["ratios"]["n32_uniform_vs_no_lora"])
         yield _at_least(name_1000 + layers, 0.95, data["ratios"]["n1000_zipf_vs_n8_zipf"])
-    data = _load(results / "serve_online.json")
-    for kind in ("host-cold", "file-cold"):
-        name = f"TTFT added by a {kind} adapter, p50 (ms)"
-        if data is None or "cold" not in data:
-            yield _missing(name, "≤ 100")
-            continue
-        yield _at_most(name, 100.0, data["cold"]["ttft_added"][kind]["p50_ms"])
+    for stem, label in COLD_RUNS.items():
+        data = _load(results / f"{stem}.json")
+        for kind in ("host-cold", "file-cold"):
+            name = f"TTFT added by a {kind} adapter, p50, {label} (ms)"
+            if data is None or "cold" not in data:
+                yield _missing(name, "≤ 100")
+                continue
+            yield _at_most(name, 100.0, data["cold"]["ttft_added"][kind]["p50_ms"])
 
 
 def cold_path_lines(cold_file: Path, results: Path) -> Iterator[Line]:
