@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from bench.gpu_timing import device_name
-from bench.serve_offline import warm_up
+from bench.serve_offline import triton_cache_entries, warm_up
 from bench.serve_setup import (
     AdapterLibrary,
     ServeBenchConfig,
@@ -95,6 +95,48 @@ class Trace:
     @property
     def gaps_s(self) -> list[float]:
         return [b - a for a, b in zip(self.token_s, self.token_s[1:], strict=False)]
+
+
+# A step at least this long is logged with the kernels compiled so far (a listing of
+# Triton's cache: too slow to take after every step).
+SLOW_STEP_S = 0.1
+
+
+class StepTimeline:
+    """Wraps `engine.step` (on the engine thread): every step's tokens and wall time, and
+    for slow ones how many kernels Triton had compiled by then — separating compile stalls
+    from queueing when a latency is far above the step times."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._step = engine.step
+        self.steps: list[tuple[float, int, float]] = []  # (start, tokens, seconds)
+        self.slow: list[dict[str, float | int]] = []
+        self._compiled = triton_cache_entries()
+        engine.step = self._timed_step  # type: ignore[method-assign]
+
+    def _timed_step(self) -> int:
+        began = time.monotonic()
+        tokens = self._step()
+        seconds = time.monotonic() - began
+        self.steps.append((began, tokens, seconds))
+        if seconds >= SLOW_STEP_S:
+            compiled = triton_cache_entries()
+            self.slow.append(
+                {"tokens": tokens, "seconds": seconds, "compiled": compiled - self._compiled}
+            )
+            self._compiled = compiled
+        return tokens
+
+    def summary(self, since: float) -> dict[str, Any]:
+        """Steps that started at or after `since` (monotonic), and the slow ones logged."""
+        steps = [(t, n, dt) for t, n, dt in self.steps if t >= since and n]
+        slow, self.slow = self.slow, []
+        return {
+            "steps": len(steps),
+            "step_ms": percentiles_ms([dt for _, _, dt in steps]),
+            "slow_steps": slow,
+            "kernels_compiled": sum(int(row["compiled"]) for row in slow),
+        }
 
 
 def poisson_times(rate: float, duration_s: float, seed: int) -> list[float]:
@@ -267,6 +309,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--probes", type=int, default=8, help="cold probes of each kind")
     parser.add_argument("--probe-interval", type=float, default=1.0)
+    parser.add_argument(
+        "--cold-passes",
+        type=int,
+        default=1,
+        help="cold runs in a row, each with new cold adapters; `cold` is the last one's",
+    )
     parser.add_argument("--drain-timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -285,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
         # Leave slots for the cold probes (they are loaded while the warm ones stay pinned).
         num_warm = max(1, min(args.adapters, slots - 2))
         warm_names = adapter_names("warm", num_warm)
-        host_names = adapter_names("hostcold", args.probes)
+        host_names = adapter_names("hostcold", args.probes * args.cold_passes)
         library.preload(engine, warm_names + host_names)
         warm = [library.binding(n) for n in warm_names]
         results: dict[str, Any] = {
@@ -313,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
             },
             "runs": [],
         }
+        timeline = StepTimeline(engine)
         loop = EngineLoop(engine, idle_wait_s=0.002).start()
         try:
             load_into_slots(loop, engine, warm)
@@ -325,8 +374,10 @@ def main(argv: list[str] | None = None) -> None:
                         for t in times
                     ]
                     tag = f"{mode}{rate:g}"
+                    began = time.monotonic()
                     traces, seconds = drive(loop, engine, config, arrivals, tag, args.drain_timeout)
                     run = {"rate": rate, "mode": mode, **summarize(traces, seconds)}
+                    run["timeline"] = timeline.summary(began)
                     results["runs"].append(run)
                     save(args.out, results)
                     print(
@@ -336,17 +387,33 @@ def main(argv: list[str] | None = None) -> None:
                         f"{run['output_tokens_per_s']:7.0f} tok/s  "
                         f"({run['completed']}/{run['requests']} done)"
                     )
-            file_cold = [library.binding(n) for n in adapter_names("filecold", args.probes)]
-            host_cold = [library.binding(n) for n in host_names]
-            arrivals = cold_arrivals(
-                args.cold_rate, args.probes, args.probe_interval, warm, host_cold, file_cold
-            )
-            traces, _ = drive(loop, engine, config, arrivals, "cold", args.drain_timeout)
-            results["cold"] = {"rate": args.cold_rate, **cold_summary(traces)}
+            file_names = adapter_names("filecold", args.probes * args.cold_passes)
+            results["cold_passes"] = []
+            for index in range(args.cold_passes):
+                fresh = slice(index * args.probes, (index + 1) * args.probes)
+                host_cold = [library.binding(n) for n in host_names[fresh]]
+                file_cold = [library.binding(n) for n in file_names[fresh]]
+                arrivals = cold_arrivals(
+                    args.cold_rate, args.probes, args.probe_interval, warm, host_cold, file_cold
+                )
+                began = time.monotonic()
+                tag = f"cold{index}"
+                traces, _ = drive(loop, engine, config, arrivals, tag, args.drain_timeout)
+                cold_pass = {"rate": args.cold_rate, **cold_summary(traces)}
+                cold_pass["timeline"] = timeline.summary(began)
+                results["cold_passes"].append(cold_pass)
+                save(args.out, results)
+            results["cold"] = results["cold_passes"][-1]
         finally:
             loop.stop()
         results["meta"]["seconds"] = time.perf_counter() - started
         save(args.out, results)
+    for index, cold in enumerate(results["cold_passes"]):
+        line = cold["timeline"]
+        print(
+            f"cold pass {index}: {line['steps']} steps, step p50 {line['step_ms']['p50_ms']:.1f} "
+            f"ms, {len(line['slow_steps'])} slow, {line['kernels_compiled']} kernels compiled"
+        )
     cold = results["cold"]
     for kind, stats in cold["ttft"].items():
         added = cold["ttft_added"].get(kind)

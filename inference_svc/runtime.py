@@ -22,6 +22,7 @@ from inference_svc.engine.kv_pages import pages_for
 from inference_svc.engine.lora_slots import LoraSlotAllocator
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
 from inference_svc.engine.scheduler import Scheduler, SchedulerConfig
+from inference_svc.engine.warm_up import warm_up_prefill
 from inference_svc.lora.pool import GIB, LoraPool, LoraPoolConfig
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.loader import load_model
@@ -51,6 +52,7 @@ class RuntimeConfig:
     max_batch_tokens: int = 512
     max_queue: int = 256
     cuda_graphs: bool = True  # capture decode graphs on CUDA
+    warm_up: bool = True  # compile every prefill shape class's kernels at start (CUDA)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -154,6 +156,8 @@ def assemble_engine(
     )
     if config.device == "cuda" and config.cuda_graphs:
         runner.capture_decode_graphs()
+    if config.device == "cuda" and config.warm_up:
+        warm_up_prefill(runner, max(config.max_batch_tokens, config.max_num_seqs), max_model_len)
     # Packing at insert makes a slot load a few large copies instead of one per tensor.
     host_cache = HostAdapterCache(
         HostCacheConfig(capacity_bytes=int(config.host_cache_gb * GIB), dtype=config.torch_dtype),

@@ -1,0 +1,39 @@
+"""Start-up warm-up: which prefill sizes it runs, that every one of its steps is a valid
+batch the runner executes (with and without LoRA, with a decode in front), and that it
+leaves the pool and later results untouched."""
+
+from __future__ import annotations
+
+from inference_svc.engine.warm_up import prefill_token_counts, warm_up_prefill
+from tests.fixtures.slot_checks import assert_slot_empty
+from tests.lora.harness import (
+    TOL,
+    Scenario,
+    Seq,
+    make_runner,
+    max_logprob_diff,
+    oracle_logprobs,
+    peft_case,
+    random_tokens,
+)
+
+
+def test_token_counts_cover_every_power_of_two_of_tokens_and_of_pairs() -> None:
+    # Powers of two up to 64, and ceil(2^j / 6) for the pair counts T·6 up to 384.
+    assert prefill_token_counts(64, 6) == [1, 2, 3, 4, 6, 8, 11, 16, 22, 32, 43, 64]
+    assert prefill_token_counts(100, 1) == [1, 2, 4, 8, 16, 32, 64, 100]
+
+
+def test_warm_up_steps_run_and_leave_the_pool_and_results_untouched(tiny_model_dirs) -> None:
+    spec = "v3_q_lora"
+    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=8)
+    counts = prefill_token_counts(24, runner.model.config.routing.top_k)
+    # Without and with LoRA; counts above 1 also with a decode in front.
+    assert warm_up_prefill(runner, 24, 10) == sum(2 * (2 if c > 1 else 1) for c in counts)
+    assert_slot_empty(runner.lora_pool, 0)
+    peft_model, adapter = peft_case(spec, rank=4, seed=31)
+    runner.lora_pool.load(0, adapter)
+    tokens = random_tokens([9, 7], seed=32)
+    scenario = Scenario(runner, [Seq(t, slot) for t, slot in zip(tokens, [0, -1], strict=True)])
+    scenario.run([9, 7])
+    assert max_logprob_diff(scenario.seqs[0], oracle_logprobs(peft_model, tokens[0])) <= TOL
