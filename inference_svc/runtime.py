@@ -157,7 +157,8 @@ def assemble_engine(
     if config.device == "cuda" and config.cuda_graphs:
         runner.capture_decode_graphs()
     if config.device == "cuda" and config.warm_up:
-        warm_up_prefill(runner, max(config.max_batch_tokens, config.max_num_seqs), max_model_len)
+        max_tokens = max(config.max_batch_tokens, config.max_num_seqs)
+        warm_up_prefill(runner, max_tokens, max_model_len, config.max_num_seqs)
     # Packing at insert makes a slot load a few large copies instead of one per tensor.
     host_cache = HostAdapterCache(
         HostCacheConfig(capacity_bytes=int(config.host_cache_gb * GIB), dtype=config.torch_dtype),

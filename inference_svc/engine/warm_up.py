@@ -11,9 +11,11 @@ the same scenario later in the process).
 
 So, on CUDA, one eager step per token count that can start a new class — every power of
 two, and every count whose T·k crosses one — up to the step's token budget, each without
-LoRA, with LoRA, and with a decode in front (a mixed step). LoRA rows use a slot whose rank
-is still 0 (the pool is empty at start-up): the kernels run, compile and add nothing. The
-steps write KV rows into pages no sequence owns yet.
+LoRA, with LoRA, and with a decode in front (a mixed step); and mixed steps over the
+decode-count classes (an online run on the H100 still compiled in steps of 8 and 11
+decodes beside a prompt when only one-decode mixed steps were warmed). LoRA rows use a
+slot whose rank is still 0 (the pool is empty at start-up): the kernels run, compile and
+add nothing. The steps write KV rows into pages no sequence owns yet.
 """
 
 from __future__ import annotations
@@ -42,9 +44,26 @@ def prefill_token_counts(max_tokens: int, top_k: int) -> list[int]:
     return sorted(c for c in counts if 1 <= c <= max_tokens)
 
 
-def _steps(tokens: int, max_model_len: int, page_size: int, decode: bool, lora_slot: int):
-    """Sequences of one warm-up step: `tokens` prompt tokens in prompts of at most
-    `max_model_len`, on consecutive fresh pages; with `decode`, one decode row in front."""
+def decode_counts(max_decodes: int) -> list[int]:
+    """Decode rows of the mixed warm-up steps: 1, 2, 3 and every power of two and the count
+    after it (the classes a launcher's batch bucket or Triton's 1 / multiple-of-16 integer
+    specialisation can tell apart), up to `max_decodes`."""
+    counts = {1, 2, 3}
+    power = 4
+    while power <= max_decodes:
+        counts.update((power, power + 1))
+        power *= 2
+    return sorted(c for c in counts if c <= max_decodes)
+
+
+# Prompt tokens beside the decodes of a mixed warm-up step (the prompt's own classes are
+# warmed by the prefill steps).
+MIXED_PROMPT_TOKENS = 16
+
+
+def _steps(tokens: int, max_model_len: int, page_size: int, decodes: int, lora_slot: int):
+    """Sequences of one warm-up step: `decodes` decode rows, then `tokens - decodes` prompt
+    tokens in prompts of at most `max_model_len`, all on consecutive fresh pages."""
     steps, next_page = [], 0
 
     def pages(length: int) -> tuple[int, ...]:
@@ -52,9 +71,9 @@ def _steps(tokens: int, max_model_len: int, page_size: int, decode: bool, lora_s
         first, next_page = next_page, next_page + pages_for(length, page_size)
         return tuple(range(first, next_page))
 
-    if decode:
+    for _ in range(decodes):
         steps.append(SequenceStep(1, 1, pages(2), lora_slot=lora_slot))
-        tokens -= 1
+    tokens -= decodes
     while tokens > 0:
         length = min(tokens, max_model_len)
         steps.append(SequenceStep(0, length, pages(length), lora_slot=lora_slot))
@@ -62,25 +81,41 @@ def _steps(tokens: int, max_model_len: int, page_size: int, decode: bool, lora_s
     return steps, next_page
 
 
+def warm_up_shapes(max_tokens: int, max_decodes: int, top_k: int) -> list[tuple[int, int]]:
+    """(tokens, of which decode rows) of every warm-up step, each run without and with LoRA:
+    prefill-only and one-decode steps over the token-count classes, then mixed steps over
+    the decode-count classes (a 16-token prompt beside them)."""
+    shapes = []
+    for tokens in prefill_token_counts(max_tokens, top_k):
+        shapes += [(tokens, 0), (tokens, 1)] if tokens > 1 else [(tokens, 0)]
+    for decodes in decode_counts(max_decodes):
+        tokens = min(decodes + MIXED_PROMPT_TOKENS, max_tokens)
+        if tokens > decodes and (tokens, decodes) not in shapes:
+            shapes.append((tokens, decodes))
+    return shapes
+
+
 @torch.inference_mode()
-def warm_up_prefill(runner: ModelRunner, max_tokens: int, max_model_len: int) -> int:
-    """Run the warm-up steps (module docstring) on `runner`; returns how many ran. Only
-    worth it on CUDA (the engine calls it there); it runs on any device."""
+def warm_up_prefill(
+    runner: ModelRunner, max_tokens: int, max_model_len: int, max_decodes: int = 1
+) -> int:
+    """Run the warm-up steps (module docstring) on `runner`, with up to `max_decodes`
+    decode rows in the mixed ones; returns how many ran. Only worth it on CUDA (the engine
+    calls it there); it runs on any device."""
     started = time.monotonic()
     config = runner.model.config
     page_size = runner.config.page_size
     lora_slots = [-1] if runner.lora_pool is None else [-1, 0]
     ran = 0
-    for tokens in prefill_token_counts(max_tokens, config.routing.top_k):
+    for tokens, decodes in warm_up_shapes(max_tokens, max_decodes, config.routing.top_k):
         for lora_slot in lora_slots:
-            for decode in (False, True) if tokens > 1 else (False,):
-                steps, pages_used = _steps(tokens, max_model_len, page_size, decode, lora_slot)
-                if pages_used > runner.config.num_pages:
-                    continue  # a step the KV cache could not hold never runs either
-                batch = build_batch(steps, page_size, runner.device, runner.lora_slot_rank)
-                ids = torch.zeros(tokens, dtype=torch.int64, device=runner.device)
-                runner.execute(ids, batch)
-                ran += 1
+            steps, pages_used = _steps(tokens, max_model_len, page_size, decodes, lora_slot)
+            if pages_used > runner.config.num_pages:
+                continue  # a step the KV cache could not hold never runs either
+            batch = build_batch(steps, page_size, runner.device, runner.lora_slot_rank)
+            ids = torch.zeros(tokens, dtype=torch.int64, device=runner.device)
+            runner.execute(ids, batch)
+            ran += 1
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     log.info("warm-up: %d prefill steps in %.1f s", ran, time.monotonic() - started)

@@ -4,7 +4,12 @@ leaves the pool and later results untouched."""
 
 from __future__ import annotations
 
-from inference_svc.engine.warm_up import prefill_token_counts, warm_up_prefill
+from inference_svc.engine.warm_up import (
+    decode_counts,
+    prefill_token_counts,
+    warm_up_prefill,
+    warm_up_shapes,
+)
 from tests.fixtures.slot_checks import assert_slot_empty
 from tests.lora.harness import (
     TOL,
@@ -24,12 +29,18 @@ def test_token_counts_cover_every_power_of_two_of_tokens_and_of_pairs() -> None:
     assert prefill_token_counts(100, 1) == [1, 2, 4, 8, 16, 32, 64, 100]
 
 
+def test_decode_counts_cover_one_small_and_each_power_of_two_class() -> None:
+    assert decode_counts(40) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33]
+    assert decode_counts(2) == [1, 2]
+
+
 def test_warm_up_steps_run_and_leave_the_pool_and_results_untouched(tiny_model_dirs) -> None:
     spec = "v3_q_lora"
     runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=8)
-    counts = prefill_token_counts(24, runner.model.config.routing.top_k)
-    # Without and with LoRA; counts above 1 also with a decode in front.
-    assert warm_up_prefill(runner, 24, 10) == sum(2 * (2 if c > 1 else 1) for c in counts)
+    shapes = warm_up_shapes(24, 6, runner.model.config.routing.top_k)
+    assert (21, 5) in shapes and (20, 4) in shapes  # mixed: 16 prompt tokens beside decodes
+    # Every shape without and with LoRA.
+    assert warm_up_prefill(runner, 24, 10, max_decodes=6) == 2 * len(shapes)
     assert_slot_empty(runner.lora_pool, 0)
     peft_model, adapter = peft_case(spec, rank=4, seed=31)
     runner.lora_pool.load(0, adapter)
