@@ -8,6 +8,7 @@ import hashlib
 import json
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -188,6 +189,9 @@ def test_stored_adapter_limit_is_atomic(
         store.stop()
 
 
+HELD_UPLOAD_ADMITTED_S = 60.0
+
+
 def test_concurrent_request_limit(
     redis_url, s3_server, s3_bucket, peft_dirs, tiny_config_json, tally
 ) -> None:
@@ -205,13 +209,16 @@ def test_concurrent_request_limit(
             stub = stub_of(channel)
             future = stub.UploadAdapter.future(held_upload(), timeout=60, metadata=_auth(KEY_B))
             refused = None
-            for _ in range(100):
+            # Until the held upload is admitted: on a loaded 2-core CI machine that took
+            # longer than the 5 s a fixed count of tries gave it.
+            deadline = time.monotonic() + HELD_UPLOAD_ADMITTED_S
+            while refused is None and time.monotonic() < deadline and not future.done():
                 try:
                     stub.ListAdapters(pb.ListAdaptersRequest(), timeout=5, metadata=_auth(KEY_B))
                 except grpc.RpcError as error:
                     refused = error
-                    break
                 threading.Event().wait(0.05)
+            assert not future.done(), f"the held upload ended early: {future.exception()}"
             assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "in flight" in refused.details()
             tally.add("per-tenant limit refusals (concurrent requests)")
