@@ -25,6 +25,11 @@ FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
 SMOKE_FP8_BLOCK = (32, 32)  # divides the smoke shapes' expert sizes (64 × 128)
 
 
+def fp8_block(smoke: bool) -> tuple[int, int]:
+    """The scale block for the benchmarks' model (smoke: the tiny CPU shapes)."""
+    return SMOKE_FP8_BLOCK if smoke else FP8_BLOCK
+
+
 @torch.no_grad()
 def quantize_routed_experts(model: DeepseekV3Model, block: tuple[int, int]) -> int:
     """Swap every MoE layer's experts for FP8 block-quantized copies; returns the layers."""

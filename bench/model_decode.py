@@ -23,12 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.fp8_experts import (
-    EXPERT_WEIGHTS,
-    FP8_BLOCK,
-    SMOKE_FP8_BLOCK,
-    quantize_routed_experts,
-)
+from bench.fp8_experts import EXPERT_WEIGHTS, fp8_block, quantize_routed_experts
 from bench.gpu_timing import bar_plot, copy_bandwidth, device_name, time_ms, write_json
 from bench.kernel_variants import VARIANTS, kernel_variant
 from bench.step_profile import profile_step
@@ -178,7 +173,7 @@ def main() -> None:
     page_size = 16
     model = random_model(config, device, dtype)
     if args.experts == "fp8":
-        quantize_routed_experts(model, SMOKE_FP8_BLOCK if args.smoke else FP8_BLOCK)
+        quantize_routed_experts(model, fp8_block(args.smoke))
     max_batch = max(batch_sizes)
     runner = ModelRunner(
         model,

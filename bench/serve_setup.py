@@ -31,12 +31,7 @@ from safetensors.torch import load_file
 
 from adapter_store.format import CANONICAL_MODULES, CanonicalAdapter, Manifest, serialize
 from adapter_store.synthetic import random_adapter
-from bench.fp8_experts import (
-    EXPERT_WEIGHTS,
-    FP8_BLOCK,
-    SMOKE_FP8_BLOCK,
-    quantize_routed_experts,
-)
+from bench.fp8_experts import EXPERT_WEIGHTS, fp8_block, quantize_routed_experts
 from bench.lora_decode_overhead import v2_lite_config
 from bench.model_decode import random_model
 from inference_svc.engine.engine import LLMEngine
@@ -184,7 +179,7 @@ def build_model(config: ServeBenchConfig) -> DeepseekV3Model:
     dtype = torch.float32 if config.smoke else torch.bfloat16
     model = random_model(parse_config(config.hf_config), torch.device(config.device), dtype)
     if config.experts == "fp8":
-        quantize_routed_experts(model, SMOKE_FP8_BLOCK if config.smoke else FP8_BLOCK)
+        quantize_routed_experts(model, fp8_block(config.smoke))
     return model
 
 

@@ -156,9 +156,9 @@ def assemble_engine(
     )
     if config.device == "cuda" and config.cuda_graphs:
         runner.capture_decode_graphs()
+    step_tokens = max(config.max_batch_tokens, config.max_num_seqs)  # a step's token budget
     if config.device == "cuda" and config.warm_up:
-        max_tokens = max(config.max_batch_tokens, config.max_num_seqs)
-        warm_up_prefill(runner, max_tokens, max_model_len, config.max_num_seqs)
+        warm_up_prefill(runner, step_tokens, max_model_len, config.max_num_seqs)
     # Packing at insert makes a slot load a few large copies instead of one per tensor.
     host_cache = HostAdapterCache(
         HostCacheConfig(capacity_bytes=int(config.host_cache_gb * GIB), dtype=config.torch_dtype),
@@ -171,7 +171,7 @@ def assemble_engine(
             page_size=config.page_size,
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max(config.max_batch_tokens, config.max_num_seqs),
+            max_num_batched_tokens=step_tokens,
             max_waiting=config.max_queue,
         ),
         LoraSlotAllocator(pool.num_slots),
