@@ -52,6 +52,7 @@ from bench.serve_setup import (
     save,
     synchronize,
 )
+from bench.step_profile import StepProfile
 from inference_svc.engine.engine import LLMEngine
 from inference_svc.engine.sequence import FinishReason
 
@@ -92,8 +93,14 @@ def run_scenario(
     requests: int,
     tag: str,
     timeout_s: float,
+    profile_steps: int = 0,
 ) -> dict[str, Any]:
-    """Submit `requests` at once, step until all finish; one result row."""
+    """Submit `requests` at once, step until all finish; one result row.
+
+    profile_steps: K > 0 profiles steps [PROFILE_PREFILL_FROM, +K) (prefill steps beside
+    decodes) and [PROFILE_DECODE_FROM, +K) (decode-only) into the row's `profile`; the
+    profiler's overhead is then inside the row's wall time.
+    """
     vocab = engine.runner.model.config.vocab_size
     names = adapter_names(tag, scenario.adapters)
     library.preload(engine, names)
@@ -117,13 +124,14 @@ def run_scenario(
     # the sampler's device→host copy, so its wall time is its GPU time.
     kinds = {"decode": [0, 0.0], "prefill": [0, 0.0]}
     complete = True
+    windows = StepWindows(profile_steps, torch.device(config.device), config.max_num_seqs)
     synchronize(config)
     start = time.perf_counter()
     for seq in seqs:
         engine.add_request(seq)
     while engine.has_work():
         began = time.perf_counter()
-        tokens = engine.step()
+        tokens = windows.step(engine, steps)
         if tokens:
             steps += 1
             kind = kinds["decode" if tokens <= config.max_num_seqs else "prefill"]
@@ -165,7 +173,44 @@ def run_scenario(
         "complete": complete,
         "failed": failed,
         "valid": complete and failed == 0,
+        **({"profile": windows.summaries()} if profile_steps else {}),
     }
+
+
+# Offline steps 0-7 admit 16 prompts each beside the earlier prompts' decodes; the first
+# requests finish after ~128 decode-only steps.
+PROFILE_PREFILL_FROM = 4
+PROFILE_DECODE_FROM = 40
+
+
+class StepWindows:
+    """Profiles two windows of a scenario's steps (see `run_scenario`); each summary is
+    labelled by the kind of step it held (prefill / decode / mixed kinds)."""
+
+    def __init__(self, steps: int, device: torch.device, max_num_seqs: int):
+        self.steps, self.device, self.max_num_seqs = steps, device, max_num_seqs
+        self._open: tuple[int, StepProfile, set[str]] | None = None
+        self._done: dict[str, dict] = {}
+
+    def step(self, engine: LLMEngine, index: int) -> int:
+        """engine.step(), profiled when step `index` lies in a window."""
+        starts = (PROFILE_PREFILL_FROM, PROFILE_DECODE_FROM) if self.steps else ()
+        if index in starts and self._open is None:
+            self._open = (index, StepProfile(self.device).__enter__(), set())
+        if self._open is None:
+            return engine.step()
+        first, recorder, kinds = self._open
+        tokens = engine.step()
+        kinds.add("decode" if tokens <= self.max_num_seqs else "prefill")
+        if index + 1 - first == self.steps or not engine.has_work():
+            recorder.__exit__(None, None, None)
+            label = "+".join(sorted(kinds))
+            self._done[label] = {"steps": index + 1 - first, **recorder.summary(index + 1 - first)}
+            self._open = None
+        return tokens
+
+    def summaries(self) -> dict[str, dict]:
+        return self._done
 
 
 def triton_cache_entries() -> int:
@@ -254,6 +299,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--time-budget", type=float, default=0, help="s; 0: no budget")
     parser.add_argument("--scenario-timeout", type=float, default=300)
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="K: profile K prefill and K decode steps per scenario (kernel classes, GPU "
+        "busy vs wall); the profiler's overhead lands in that scenario's throughput",
+    )
     args = parser.parse_args(argv)
 
     config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=2)
@@ -313,7 +365,14 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{scenario.label:18s} skipped: time budget ({elapsed:.0f} s used)")
                 continue
             row = run_scenario(
-                engine, library, config, scenario, requests, f"s{index}", args.scenario_timeout
+                engine,
+                library,
+                config,
+                scenario,
+                requests,
+                f"s{index}",
+                args.scenario_timeout,
+                args.profile_steps,
             )
             longest = max(longest, row["seconds"])
             results["rows"].append(row)

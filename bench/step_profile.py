@@ -6,6 +6,7 @@ summary answers "how many launches of what, and how many µs each class takes pe
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -55,39 +56,82 @@ def profile_step(step: Callable[[], object], device: torch.device, steps: int = 
     On CPU (smoke runs) the records are aten operators, a proxy for launch counts.
     """
     step()  # warm
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
+    with StepProfile(device) as recorded:
         for _ in range(steps):
             step()
+    return recorded.summary(steps)
+
+
+class StepProfile:
+    """A torch-profiler window over some steps (CUDA kernels, or top-level aten ops on the
+    CPU); `summary(steps)` gives per-step counts and µs by class, the GPU's busy time (the
+    union of its kernels' intervals, so overlapping streams count once) and the wall time."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        activities = [ProfilerActivity.CPU]
         if device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._profile = profile(activities=activities)
+        self._wall_s = 0.0
+
+    def __enter__(self) -> StepProfile:
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
-    count: dict[str, float] = defaultdict(float)
-    micros: dict[str, float] = defaultdict(float)
-    names: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        on_device = event.device_type == torch.autograd.DeviceType.CUDA
-        if device.type == "cuda" and not on_device:
+        self._profile.__enter__()
+        self._began = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._wall_s = time.perf_counter() - self._began
+        self._profile.__exit__(*exc)
+
+    def summary(self, steps: int) -> dict:
+        on_cuda = self.device.type == "cuda"
+        count: dict[str, float] = defaultdict(float)
+        micros: dict[str, float] = defaultdict(float)
+        names: dict[str, float] = defaultdict(float)
+        intervals: list[tuple[float, float]] = []
+        for event in self._profile.events():
+            on_device = event.device_type == torch.autograd.DeviceType.CUDA
+            if on_cuda and not on_device:
+                continue
+            if not on_cuda and not event.name.startswith("aten::"):
+                continue
+            if not on_cuda and event.cpu_parent is not None:
+                continue  # top-level aten ops only: nested ones are the same launch
+            label = kernel_class(event.name) if on_device else event.name
+            elapsed = event.time_range.elapsed_us()
+            count[label] += 1 / steps
+            micros[label] += elapsed / steps
+            names[event.name[:80]] += elapsed / steps
+            intervals.append((event.time_range.start, event.time_range.end))
+        classes = {
+            label: {
+                "launches_per_step": round(count[label], 2),
+                "us_per_step": round(micros[label], 1),
+            }
+            for label in sorted(micros, key=micros.get, reverse=True)
+        }
+        top = sorted(names.items(), key=lambda kv: kv[1], reverse=True)[:15]
+        return {
+            "launches_per_step": round(sum(count.values()), 1),
+            "busy_us_per_step": round(sum(micros.values()), 1),
+            "gpu_busy_union_us_per_step": round(interval_union(intervals) / steps, 1),
+            "wall_us_per_step": round(self._wall_s * 1e6 / steps, 1),
+            "classes": classes,
+            "top_kernels_us": {name: round(us, 1) for name, us in top},
+        }
+
+
+def interval_union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) intervals (overlaps counted once)."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
             continue
-        if device.type != "cuda" and not event.name.startswith("aten::"):
-            continue
-        if device.type != "cuda" and event.cpu_parent is not None:
-            continue  # top-level aten ops only: nested ones are the same launch
-        label = kernel_class(event.name) if on_device else event.name
-        elapsed = event.time_range.elapsed_us()
-        count[label] += 1 / steps
-        micros[label] += elapsed / steps
-        names[event.name[:80]] += elapsed / steps
-    classes = {
-        label: {"launches_per_step": round(count[label], 2), "us_per_step": round(micros[label], 1)}
-        for label in sorted(micros, key=micros.get, reverse=True)
-    }
-    top = sorted(names.items(), key=lambda kv: kv[1], reverse=True)[:15]
-    return {
-        "launches_per_step": round(sum(count.values()), 1),
-        "busy_us_per_step": round(sum(micros.values()), 1),
-        "classes": classes,
-        "top_kernels_us": {name: round(us, 1) for name, us in top},
-    }
+        covered += end - max(start, reach)
+        reach = end
+    return covered

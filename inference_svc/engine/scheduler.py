@@ -68,7 +68,7 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, by slot
     failed: list[tuple[Sequence, LoraserveError]] = field(default_factory=list)
 
     @property
@@ -218,7 +218,11 @@ class Scheduler:
         self._serve_tickets()
         self._admit(out, budget)
         # Decodes first: the batch layout puts 1-token sequences before prefill chunks.
-        out.scheduled.sort(key=lambda s: s.query_len != 1)
+        # Within each kind, sequences of one adapter side by side (stable: admission order
+        # inside an adapter): the LoRA segments are runs of one slot, so an interleaved
+        # batch of N adapters would make a segment per token and read each adapter's
+        # weights once per token instead of once per run.
+        out.scheduled.sort(key=lambda s: (s.query_len != 1, s.seq.lora_slot))
         out.failed, self._failed_now = self._failed_now, []
         return out
 

@@ -296,3 +296,27 @@ def test_admission_control() -> None:
         scheduler.add(seq(None))
     with pytest.raises(ResourceExhausted, match="queue is full"):
         scheduler.add(seq(None))
+
+
+def test_a_step_lays_out_decodes_then_prefills_each_grouped_by_adapter() -> None:
+    scheduler, _, _ = make_scheduler(num_slots=2, max_num_seqs=12, budget=256)
+    for warm in (seq("a"), seq("b")):
+        scheduler.add(warm)
+    drain(scheduler)
+    # Admitted interleaved: a, b, base, a, b, base; then three more prompts arrive.
+    early = [seq(name, max_new=8) for _ in range(2) for name in ("a", "b", None)]
+    for s in early:
+        scheduler.add(s)
+    complete(scheduler, settle(scheduler))  # their prompts ran: they decode from now on
+    for name in ("b", None, "a"):
+        scheduler.add(seq(name))
+    out = scheduler.schedule()
+    kinds_and_slots = [(s.query_len != 1, s.seq.lora_slot) for s in out.scheduled]
+    assert len(out.scheduled) == 9
+    assert kinds_and_slots == sorted(kinds_and_slots)  # decodes first, then by slot
+    decodes = [s.seq for s in out.scheduled if s.query_len == 1]
+    assert len(decodes) == 6
+    # Inside one adapter the admission order stays (the sort is stable).
+    for slot in {s.lora_slot for s in decodes}:
+        same = [s for s in decodes if s.lora_slot == slot]
+        assert same == [s for s in early if s.lora_slot == slot]
