@@ -215,8 +215,20 @@ class StepWindows:
 
 def triton_cache_entries() -> int:
     """Kernels in Triton's on-disk cache: a scenario that adds some compiled them while timed."""
+    return len(triton_cache_kernels())
+
+
+def triton_cache_kernels() -> dict[str, str]:
+    """Triton's on-disk cache: entry folder → the kernel compiled into it (its name, from
+    the entry's metadata file), so a stall can be traced to the kernel it compiled."""
     folder = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    return sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
+    if not folder.is_dir():
+        return {}
+    kernels = {}
+    for entry in folder.iterdir():
+        names = [p.stem for p in entry.glob("*.json") if not p.name.startswith("__grp__")]
+        kernels[entry.name] = names[0] if names else "?"
+    return kernels
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from bench.gpu_timing import device_name
-from bench.serve_offline import triton_cache_entries, warm_up
+from bench.serve_offline import triton_cache_kernels, warm_up
 from bench.serve_setup import (
     AdapterLibrary,
     ServeBenchConfig,
@@ -104,14 +104,14 @@ SLOW_STEP_S = 0.1
 
 class StepTimeline:
     """Wraps `engine.step` (on the engine thread): every step's tokens and wall time, and
-    for slow ones how many kernels Triton had compiled by then — separating compile stalls
-    from queueing when a latency is far above the step times."""
+    for slow ones which kernels Triton had compiled since the last slow one — separating
+    compile stalls from queueing when a latency is far above the step times."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self._step = engine.step
         self.steps: list[tuple[float, int, float]] = []  # (start, tokens, seconds)
-        self.slow: list[dict[str, float | int]] = []
-        self._compiled = triton_cache_entries()
+        self.slow: list[dict[str, Any]] = []
+        self._compiled = triton_cache_kernels()
         engine.step = self._timed_step  # type: ignore[method-assign]
 
     def _timed_step(self) -> int:
@@ -120,9 +120,10 @@ class StepTimeline:
         seconds = time.monotonic() - began
         self.steps.append((began, tokens, seconds))
         if seconds >= SLOW_STEP_S:
-            compiled = triton_cache_entries()
+            compiled = triton_cache_kernels()
+            new = sorted(name for entry, name in compiled.items() if entry not in self._compiled)
             self.slow.append(
-                {"tokens": tokens, "seconds": seconds, "compiled": compiled - self._compiled}
+                {"tokens": tokens, "seconds": seconds, "compiled": len(new), "kernels": new}
             )
             self._compiled = compiled
         return tokens

@@ -13,9 +13,14 @@ So, on CUDA, one eager step per token count that can start a new class — every
 two, and every count whose T·k crosses one — up to the step's token budget, each without
 LoRA, with LoRA, and with a decode in front (a mixed step); and mixed steps over the
 decode-count classes (an online run on the H100 still compiled in steps of 8 and 11
-decodes beside a prompt when only one-decode mixed steps were warmed). LoRA rows use a
-slot whose rank is still 0 (the pool is empty at start-up): the kernels run, compile and
-add nothing. The steps write KV rows into pages no sequence owns yet.
+decodes beside a prompt when only one-decode mixed steps were warmed). The decode rows'
+contexts span a page table as wide as real ones: the paged decode kernel takes the table's
+row stride as an integer argument, which Triton specialises (1, a multiple of 16, other),
+so mixed steps run once with each width class (one-page decode contexts left the usual
+class cold: the H100 online run then compiled in a step of 8 decodes beside a 512-token
+prompt). LoRA rows use a slot whose rank is still 0 (the pool is empty at start-up): the
+kernels run, compile and add nothing. The steps write KV rows into pages no sequence owns
+yet.
 """
 
 from __future__ import annotations
@@ -60,10 +65,18 @@ def decode_counts(max_decodes: int) -> list[int]:
 # warmed by the prefill steps).
 MIXED_PROMPT_TOKENS = 16
 
+# Pages of the decode rows' contexts: one width in Triton's generic integer class and one
+# that is a multiple of 16 (a real step's table is as wide as its longest context).
+DECODE_PAGE_WIDTHS = (3, 16)
 
-def _steps(tokens: int, max_model_len: int, page_size: int, decodes: int, lora_slot: int):
-    """Sequences of one warm-up step: `decodes` decode rows, then `tokens - decodes` prompt
-    tokens in prompts of at most `max_model_len`, all on consecutive fresh pages."""
+
+def warm_up_sequences(
+    tokens: int, max_model_len: int, page_size: int, decodes: int, width: int, lora_slot: int
+):
+    """Sequences of one warm-up step: `decodes` decode rows with contexts of `width` pages
+    (all on the same pages: they only read them, and their writes land where no sequence
+    reads), then `tokens - decodes` prompt tokens in prompts of at most `max_model_len`;
+    returns them and the pages used."""
     steps, next_page = [], 0
 
     def pages(length: int) -> tuple[int, ...]:
@@ -71,8 +84,10 @@ def _steps(tokens: int, max_model_len: int, page_size: int, decodes: int, lora_s
         first, next_page = next_page, next_page + pages_for(length, page_size)
         return tuple(range(first, next_page))
 
-    for _ in range(decodes):
-        steps.append(SequenceStep(1, 1, pages(2), lora_slot=lora_slot))
+    if decodes:
+        context = width * page_size
+        shared = pages(context)
+        steps += [SequenceStep(context - 1, 1, shared, lora_slot=lora_slot)] * decodes
     tokens -= decodes
     while tokens > 0:
         length = min(tokens, max_model_len)
@@ -81,17 +96,20 @@ def _steps(tokens: int, max_model_len: int, page_size: int, decodes: int, lora_s
     return steps, next_page
 
 
-def warm_up_shapes(max_tokens: int, max_decodes: int, top_k: int) -> list[tuple[int, int]]:
-    """(tokens, of which decode rows) of every warm-up step, each run without and with LoRA:
-    prefill-only and one-decode steps over the token-count classes, then mixed steps over
-    the decode-count classes (a 16-token prompt beside them)."""
+def warm_up_shapes(max_tokens: int, max_decodes: int, top_k: int) -> list[tuple[int, int, int]]:
+    """(tokens, of which decode rows, decode context pages) of every warm-up step, each run
+    without and with LoRA: prefill-only and one-decode steps over the token-count classes,
+    then mixed steps over the decode-count classes (a 16-token prompt beside them) at each
+    of `DECODE_PAGE_WIDTHS`."""
+    narrow = DECODE_PAGE_WIDTHS[0]
     shapes = []
     for tokens in prefill_token_counts(max_tokens, top_k):
-        shapes += [(tokens, 0), (tokens, 1)] if tokens > 1 else [(tokens, 0)]
+        shapes += [(tokens, 0, 0), (tokens, 1, narrow)] if tokens > 1 else [(tokens, 0, 0)]
     for decodes in decode_counts(max_decodes):
         tokens = min(decodes + MIXED_PROMPT_TOKENS, max_tokens)
-        if tokens > decodes and (tokens, decodes) not in shapes:
-            shapes.append((tokens, decodes))
+        for width in DECODE_PAGE_WIDTHS:
+            if tokens > decodes and (tokens, decodes, width) not in shapes:
+                shapes.append((tokens, decodes, width))
     return shapes
 
 
@@ -107,9 +125,12 @@ def warm_up_prefill(
     page_size = runner.config.page_size
     lora_slots = [-1] if runner.lora_pool is None else [-1, 0]
     ran = 0
-    for tokens, decodes in warm_up_shapes(max_tokens, max_decodes, config.routing.top_k):
+    shapes = warm_up_shapes(max_tokens, max_decodes, config.routing.top_k)
+    for tokens, decodes, width in shapes:
         for lora_slot in lora_slots:
-            steps, pages_used = _steps(tokens, max_model_len, page_size, decodes, lora_slot)
+            steps, pages_used = warm_up_sequences(
+                tokens, max_model_len, page_size, decodes, width, lora_slot
+            )
             if pages_used > runner.config.num_pages:
                 continue  # a step the KV cache could not hold never runs either
             batch = build_batch(steps, page_size, runner.device, runner.lora_slot_rank)

@@ -4,10 +4,12 @@ leaves the pool and later results untouched."""
 
 from __future__ import annotations
 
+from inference_svc.engine.batch import build_batch
 from inference_svc.engine.warm_up import (
     decode_counts,
     prefill_token_counts,
     warm_up_prefill,
+    warm_up_sequences,
     warm_up_shapes,
 )
 from tests.fixtures.slot_checks import assert_slot_empty
@@ -34,11 +36,23 @@ def test_decode_counts_cover_one_small_and_each_power_of_two_class() -> None:
     assert decode_counts(2) == [1, 2]
 
 
+def test_mixed_steps_have_page_tables_as_wide_as_their_decode_contexts() -> None:
+    # The paged decode kernel is specialised on the table's row stride: the warm-up's
+    # decode rows must give real widths (3: generic class, 16: multiple of 16), not 1.
+    for width in (3, 16):
+        steps, pages_used = warm_up_sequences(21, 10, 4, decodes=5, width=width, lora_slot=-1)
+        batch = build_batch(steps, 4, "cpu")
+        assert batch.page_table.shape[1] == width
+        assert batch.num_decode_seqs == 5 and batch.num_tokens == 21
+        assert pages_used == width + 3 + 2  # shared decode pages, prompts of 10 and 6
+
+
 def test_warm_up_steps_run_and_leave_the_pool_and_results_untouched(tiny_model_dirs) -> None:
     spec = "v3_q_lora"
     runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=8)
     shapes = warm_up_shapes(24, 6, runner.model.config.routing.top_k)
-    assert (21, 5) in shapes and (20, 4) in shapes  # mixed: 16 prompt tokens beside decodes
+    # Mixed: 16 prompt tokens beside decodes whose page tables are 3 and 16 pages wide.
+    assert {(21, 5, 3), (21, 5, 16), (20, 4, 3), (20, 4, 16)} <= set(shapes)
     # Every shape without and with LoRA.
     assert warm_up_prefill(runner, 24, 10, max_decodes=6) == 2 * len(shapes)
     assert_slot_empty(runner.lora_pool, 0)
