@@ -62,6 +62,8 @@ ACTIVATION_RESERVE_GB = 8.0
 ADAPTER_STD = 0.02
 # The host cache's logical capacity: entries alias a few pinned weight sets (see above).
 HOST_CACHE_LOGICAL_GB = 1 << 20
+# Its pinned arena, for the adapters fetched from files (the cold probes): 8 × 582 MB.
+HOST_ARENA_GB = 5.0
 # What the adapters target: every canonical module (issue 9's adapters), or every module
 # but the routed experts (MLA, dense and shared-expert MLP: what most MoE fine-tunes train).
 ADAPTER_MODULES = {
@@ -224,6 +226,7 @@ def build_engine(
         max_lora_rank=config.rank,
         lora_memory_gb=lora_memory_gb(model, config),
         host_cache_gb=HOST_CACHE_LOGICAL_GB,
+        host_arena_gb=0.25 if config.smoke else HOST_ARENA_GB,
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_batch_tokens=config.max_batch_tokens,

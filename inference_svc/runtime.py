@@ -45,6 +45,10 @@ class RuntimeConfig:
     max_lora_rank: int = 16
     lora_memory_gb: float | None = None
     host_cache_gb: float = 2.0
+    # Pinned arena the host cache packs fetched adapters into, allocated at start-up;
+    # None: host_cache_gb (the whole cache). Benchmarks whose entries alias a few weight
+    # sets give the cache a huge logical size and the arena a real one.
+    host_arena_gb: float | None = None
     kv_pages: int = 0  # 0: enough for max_num_seqs sequences of max_model_len
     page_size: int = 16
     max_model_len: int = 0  # 0: the model's max_position_embeddings
@@ -69,6 +73,8 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
         if self.host_cache_gb <= 0:
             raise ValueError(f"host_cache_gb must be > 0, got {self.host_cache_gb}")
+        if self.host_arena_gb is not None and self.host_arena_gb < 0:
+            raise ValueError(f"host_arena_gb must be >= 0, got {self.host_arena_gb}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -160,8 +166,13 @@ def assemble_engine(
     if config.device == "cuda" and config.warm_up:
         warm_up_prefill(runner, step_tokens, max_model_len, config.max_num_seqs)
     # Packing at insert makes a slot load a few large copies instead of one per tensor.
+    arena_gb = config.host_cache_gb if config.host_arena_gb is None else config.host_arena_gb
     host_cache = HostAdapterCache(
-        HostCacheConfig(capacity_bytes=int(config.host_cache_gb * GIB), dtype=config.torch_dtype),
+        HostCacheConfig(
+            capacity_bytes=int(config.host_cache_gb * GIB),
+            dtype=config.torch_dtype,
+            arena_bytes=int(arena_gb * GIB),
+        ),
         pool.packing,
     )
     residency = AdapterResidency(source, host_cache, pool, metrics, on_fetched)

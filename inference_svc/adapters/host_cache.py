@@ -6,7 +6,8 @@ asynchronous) and pinned when CUDA is available (only pinned memory copies async
 Built with the pool's `SlotPacking` (`pool.packing`), the cache packs each adapter once, at
 insert, into one contiguous buffer in the pool's order: loads then take the pool's fast
 path (a few large copies instead of one per layer × module × slice; see
-`inference_svc.lora.packing`), and one pinned allocation replaces hundreds.
+`inference_svc.lora.packing`). Packed entries live in blocks of one arena pinned when the
+cache is built (`inference_svc.adapters.pinned_arena`): no pinning on the serving path.
 
 An entry being copied to the GPU is *in use* (`acquire` … `release`) and is never evicted
 or dropped, so a side-stream copy never reads freed or reused memory. Thread-safe: S3
@@ -24,6 +25,7 @@ import torch
 
 from adapter_store.errors import ResourceExhausted
 from adapter_store.format import CanonicalAdapter
+from inference_svc.adapters.pinned_arena import ArenaBlock, PinnedArena
 from inference_svc.lora.packing import PackedAdapter, SlotPacking
 
 HostKey = Hashable  # (tenant, name, version)
@@ -34,10 +36,17 @@ class HostCacheConfig:
     capacity_bytes: int
     dtype: torch.dtype | None = None  # the slot pool's dtype; None keeps the stored dtype
     pin_memory: bool | None = None  # None: pin exactly when CUDA is available
+    # Bytes of the arena that packed entries are copied into (allocated, and pinned, when
+    # the cache is built); None: capacity_bytes. 0: no arena, each entry allocates its own
+    # buffer. Smaller than capacity_bytes where most entries are packed already (they are
+    # stored as they are: the serving benchmark's aliased weight sets).
+    arena_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
+        if self.arena_bytes is not None and self.arena_bytes < 0:
+            raise ValueError(f"arena_bytes must be >= 0, got {self.arena_bytes}")
         if self.pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA")
 
@@ -70,6 +79,7 @@ class _Entry:
     size_bytes: int
     in_use: int = 0
     drop_when_released: bool = False
+    block: ArenaBlock | None = None  # the arena block the entry was packed into
 
 
 class HostAdapterCache:
@@ -82,6 +92,10 @@ class HostAdapterCache:
             )
         self.config = config
         self.packing = packing
+        arena_bytes = config.capacity_bytes if config.arena_bytes is None else config.arena_bytes
+        self.arena = (
+            PinnedArena(arena_bytes, config.pins) if packing is not None and arena_bytes else None
+        )
         self._entries: OrderedDict[HostKey, _Entry] = OrderedDict()  # LRU first
         self._bytes = 0
         self._lock = threading.Lock()
@@ -108,19 +122,24 @@ class HostAdapterCache:
         pinned) and return the stored one, marked in use until `release(key)`. Evicts least
         recently used entries that are not in use; raises ResourceExhausted when that cannot
         make room."""
-        stored = self._to_host(adapter)
+        stored, block = self._to_host(key, adapter)
         size = adapter_bytes(stored)
         with self._lock:
             existing = self._entries.get(key)
             if existing is not None:
                 # Another fetch of the same (immutable) version won the race, or the entry
                 # was discarded while in use: keep the one already here.
+                self._free_block(block)
                 existing.in_use += 1
                 existing.drop_when_released = False
                 self._entries.move_to_end(key)
                 return existing.adapter
-            self._make_room(key, size)
-            self._entries[key] = _Entry(stored, size, in_use=1)
+            try:
+                self._make_room(key, size)
+            except ResourceExhausted:
+                self._free_block(block)
+                raise
+            self._entries[key] = _Entry(stored, size, in_use=1, block=block)
             self._bytes += size
             self._inserts += 1
             return stored
@@ -188,7 +207,33 @@ class HostAdapterCache:
             self._evictions += 1
 
     def _remove(self, key: HostKey) -> None:
-        self._bytes -= self._entries.pop(key).size_bytes
+        entry = self._entries.pop(key)
+        self._bytes -= entry.size_bytes
+        self._free_block(entry.block)
+
+    def _free_block(self, block: ArenaBlock | None) -> None:
+        if block is not None and self.arena is not None:
+            self.arena.free(block)
+
+    def _reserve_block(self, key: HostKey, nbytes: int) -> ArenaBlock:
+        """An arena block of `nbytes`, evicting least recently used arena entries that are
+        not in use until a free range is long enough; ResourceExhausted when none is."""
+        assert self.arena is not None
+        with self._lock:
+            while (block := self.arena.allocate(nbytes)) is None:
+                victim = next(
+                    (k for k, e in self._entries.items() if e.in_use == 0 and e.block), None
+                )
+                if victim is None:
+                    raise ResourceExhausted(
+                        f"pinned host arena full: adapter {key!r} needs {nbytes} bytes, the "
+                        f"longest free range of the {self.arena.capacity_bytes}-byte arena is "
+                        f"{self.arena.largest_free_bytes} bytes and the rest is held by "
+                        f"adapters being copied to the GPU"
+                    )
+                self._remove(victim)
+                self._evictions += 1
+            return block
 
     def _already_packed(self, adapter: CanonicalAdapter) -> bool:
         return (
@@ -197,11 +242,24 @@ class HostAdapterCache:
             and (not self.config.pins or adapter.flat.is_pinned())
         )
 
-    def _to_host(self, adapter: CanonicalAdapter) -> CanonicalAdapter:
+    def _to_host(
+        self, key: HostKey, adapter: CanonicalAdapter
+    ) -> tuple[CanonicalAdapter, ArenaBlock | None]:
+        """The adapter as the cache stores it, and the arena block it was packed into."""
         if self.packing is not None:
             if self._already_packed(adapter):
-                return adapter  # in this pool's layout already (a shared weight set): no copy
-            return self.packing.pack(adapter, pin=self.config.pins)
+                return adapter, None  # this pool's layout already (a shared weight set)
+            if self.arena is None:
+                return self.packing.pack(adapter, pin=self.config.pins), None
+            numel = self.packing.packed_numel(adapter)
+            dtype = self.packing.dtype
+            block = self._reserve_block(key, numel * dtype.itemsize)
+            try:
+                return self.packing.pack(adapter, out=self.arena.view(block, dtype, numel)), block
+            except BaseException:
+                with self._lock:
+                    self._free_block(block)
+                raise
         dtype, pin = self.config.dtype, self.config.pins
         tensors = {}
         for name, tensor in adapter.tensors.items():
@@ -212,7 +270,7 @@ class HostAdapterCache:
             # The manifest describes the tensors it travels with; sha256 stays that of the
             # stored file (it names the version).
             manifest = replace(manifest, dtype=str(dtype).removeprefix("torch."))
-        return CanonicalAdapter(manifest, tensors)
+        return CanonicalAdapter(manifest, tensors), None
 
 
 def adapter_bytes(adapter: CanonicalAdapter) -> int:
