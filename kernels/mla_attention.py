@@ -116,7 +116,9 @@ def _mla_decode_kernel(
     tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
 
 
-@triton.jit
+# Per-step counts unspecialised: Triton would compile a variant per 1 / multiple-of-16 / other
+# class of each (a multi-second stall mid-serving), and they only bound masks and loops.
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_merge_kernel(
     o_part_ptr, lse_part_ptr, out_ptr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,

@@ -73,7 +73,9 @@ def _first_pending_key(offs, key, done, BLOCK_P: tl.constexpr):
     return tl.sum(tl.where(offs == first, key, 0))
 
 
-@triton.jit
+# Per-step counts unspecialised: Triton would compile a variant per 1 / multiple-of-16 / other
+# class of each (a multi-second stall mid-serving), and they only bound masks and loops.
+@triton.jit(do_not_specialize=["P", "order_len"])
 def _moe_lora_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -154,7 +156,9 @@ def _moe_lora_shrink_kernel(
         done = done | sel
 
 
-@triton.jit
+# Per-step counts unspecialised: Triton would compile a variant per 1 / multiple-of-16 / other
+# class of each (a multi-second stall mid-serving), and they only bound masks and loops.
+@triton.jit(do_not_specialize=["P", "order_len"])
 def _moe_lora_expand_kernel(
     y_ptr,
     b_ptr,

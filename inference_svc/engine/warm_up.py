@@ -18,8 +18,11 @@ contexts span a page table as wide as real ones: the paged decode kernel takes t
 row stride as an integer argument, which Triton specialises (1, a multiple of 16, other),
 so mixed steps run once with each width class (one-page decode contexts left the usual
 class cold: the H100 online run then compiled in a step of 8 decodes beside a 512-token
-prompt). LoRA rows use a slot whose rank is still 0 (the pool is empty at start-up): the
-kernels run, compile and add nothing. The steps write KV rows into pages no sequence owns
+prompt). Combinations of several per-step counts (the MoE alignment's pairs, padded rows and
+tiles) cannot be enumerated by step shapes, so those kernels take their counts unspecialised
+(`do_not_specialize`; the H100 online run compiled `_moe_align_kernel` in a 520-token step
+after every shape above had run). LoRA rows use a slot whose rank is still 0 (the pool is
+empty at start-up): the kernels run, compile and add nothing. The steps write KV rows into pages no sequence owns
 yet.
 """
 
