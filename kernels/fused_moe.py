@@ -326,6 +326,28 @@ def _stored_k(k: int, scheme: str) -> int:
     return triton.cdiv(k, 2) if scheme == "int4_group" else k
 
 
+@dataclass(frozen=True)
+class GemmTiles:
+    """Column/K tiles and the launch shape of the grouped GEMM (the row tile is the
+    alignment's block_m)."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Decode-sized batches (row tile 16/32) are weight-bandwidth bound: small tiles, many
+# programs. The prefill tiles (row tile 64) are what `bench.grouped_gemm_tiles` measured
+# fastest on the H100 at V2-Lite prefill shapes.
+DECODE_TILES = GemmTiles()
+PREFILL_TILES = GemmTiles()
+
+
+def default_tiles(block_m: int) -> GemmTiles:
+    return PREFILL_TILES if block_m >= 64 else DECODE_TILES
+
+
 def grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -334,11 +356,15 @@ def grouped_gemm(
     w_scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
     scheme: str | None = None,
+    tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
     """Triton version of `grouped_gemm_ref` (same arguments and result).
 
     "w8a8" quantizes `a` per row with `per_token_quant_int8` first (one extra launch).
+    tiles: None picks `default_tiles(align.block_m)`; a scale block along K must be a
+    multiple of tiles.block_k (the FP8 and int4 schemes use at most min(block_k, BK)).
     """
+    tiles = tiles or default_tiles(align.block_m)
     scheme = _scheme(scheme, w_scale)
     num_experts, n, stored_k = w.shape
     k = a.shape[-1]
@@ -352,17 +378,17 @@ def grouped_gemm(
     ):
         raise ValueError(f"w_scale {tuple(w_scale.shape)} does not match w / block {block}")
     if scheme in ("block", "int4_group"):
-        block_k = min(64, bk)
+        block_k = min(tiles.block_k, bk)
         if bk % block_k:
             raise ValueError(f"scale block {bk} along K must be a multiple of {block_k}")
     else:
-        block_k = 64
+        block_k = tiles.block_k
     out = torch.empty((align.num_pairs, n), dtype=a.dtype, device=a.device)
     a_scale = w  # unused pointer unless w8a8
     if scheme == "w8a8":
         a, a_scale = per_token_quant_int8(a)
     scale = w_scale if w_scale is not None else w  # unused pointer for "float"
-    block_n = 64
+    block_n = tiles.block_n
     grid = (align.block_expert_ids.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, a_scale, w, scale, out, align.sorted_pair_ids, align.block_expert_ids,
@@ -373,6 +399,7 @@ def grouped_gemm(
         out.stride(0),
         BN=bn, BK=bk, SCHEME=WEIGHT_SCHEMES[scheme],
         BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out
 

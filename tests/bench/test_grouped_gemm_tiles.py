@@ -1,0 +1,21 @@
+"""The grouped-GEMM tile bench on the CPU (interpreted, tiny expert shapes): every plan
+computes the same products as the current one and the JSON holds one row per plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import grouped_gemm_tiles
+
+
+def test_every_plan_matches_the_current_plan(tmp_path: Path) -> None:
+    out = tmp_path / "tiles.json"
+    grouped_gemm_tiles.main(["--out", str(out), "--smoke"])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 * 2  # three plans × (gate_up, down) at one token count
+    assert {row["block_m"] for row in rows} == {64, 128}
+    for row in rows:
+        assert row["max_rel_diff_vs_current"] <= 1e-5, row  # fp32 on the CPU
+        assert row["ms"] > 0 and row["tflops"] > 0
+    assert out.with_suffix(".png").exists()
