@@ -8,8 +8,10 @@ and take the absorbed paged-attention path; prefill sequences follow and take th
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inference_svc.engine.kv_pages import pages_for
@@ -94,6 +96,9 @@ def build_batch(
 
     lora_slot_rank: the LoRA pool's per-slot rank tensor; needed when a sequence has a
     `lora_slot`.
+
+    The token layout is computed with array operations (no Python work per token) and
+    reaches the device in one copy: this runs on the host every step while the GPU waits.
     """
     if not seqs:
         raise ValueError("a batch needs at least one sequence")
@@ -102,51 +107,103 @@ def build_batch(
         num_decodes += 1
     if any(s.is_decode for s in seqs[num_decodes:]):
         raise ValueError("decode sequences (query_len 1) must come before prefill sequences")
-    positions, slots, logits_rows, starts = [], [], [], [0]
-    max_pages = max(len(s.pages) for s in seqs)
-    table = torch.zeros((len(seqs), max_pages), dtype=torch.int32)
-    for b, s in enumerate(seqs):
-        total = s.cached_len + s.query_len
-        if len(s.pages) < pages_for(total, page_size):
-            raise ValueError(f"sequence {b}: {len(s.pages)} pages cannot hold {total} tokens")
-        table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
-        new_positions = range(s.cached_len, total)
-        positions.extend(new_positions)
-        slots.extend(s.pages[p // page_size] * page_size + p % page_size for p in new_positions)
-        first = starts[-1]
-        logits_rows.extend(
-            range(first, first + s.query_len) if s.all_logits else [first + s.query_len - 1]
-        )
-        starts.append(first + s.query_len)
-
+    query_lens = [s.query_len for s in seqs]
     context_lens = [s.cached_len + s.query_len for s in seqs]
+    num_pages = [len(s.pages) for s in seqs]
+    _check_pages(num_pages, context_lens, page_size)
+    table = _page_table(seqs, num_pages)
+    layout = _token_layout(seqs, query_lens, table, page_size)
+
     groups = prefill_groups(context_lens, num_decodes, PREFILL_GROUP_ROWS)
     lora = None
     if any(s.lora_slot != -1 for s in seqs):
         if lora_slot_rank is None:
             raise ValueError("a sequence uses a LoRA slot but the batch has no LoRA pool")
         lora = build_lora_batch(
-            [s.lora_slot for s in seqs], [s.query_len for s in seqs], num_decodes,
+            [s.lora_slot for s in seqs], query_lens, num_decodes,
             lora_slot_rank, device, context_lens, groups,
         )  # fmt: skip
 
-    def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device)
-
+    positions, slot_mapping, logits_indices, query_start_loc, context, page_table = _to_device(
+        [*layout, np.array(context_lens, dtype=np.int32), table], device
+    )
     return BatchMetadata(
-        positions=tensor(positions, torch.int64),
-        query_start_loc=tensor(starts, torch.int32),
-        context_lens=tensor(context_lens, torch.int32),
-        page_table=table.to(device),
-        slot_mapping=tensor(slots, torch.int64),
-        logits_indices=tensor(logits_rows, torch.int64),
+        positions=positions,
+        query_start_loc=query_start_loc,
+        context_lens=context,
+        page_table=page_table,
+        slot_mapping=slot_mapping,
+        logits_indices=logits_indices,
         num_decode_seqs=num_decodes,
-        query_lens=tuple(s.query_len for s in seqs),
+        query_lens=tuple(query_lens),
         context_lens_host=tuple(context_lens),
         page_size=page_size,
         prefill_groups=groups,
         lora=lora,
     )
+
+
+def _check_pages(num_pages: list[int], context_lens: list[int], page_size: int) -> None:
+    """Every sequence's page table covers its context."""
+    for b, (pages, total) in enumerate(zip(num_pages, context_lens, strict=True)):
+        if pages < pages_for(total, page_size):
+            raise ValueError(f"sequence {b}: {pages} pages cannot hold {total} tokens")
+
+
+def _page_table(seqs: list[SequenceStep], num_pages: list[int]) -> np.ndarray:
+    """int32 [B, max_pages] page table, unused entries 0, filled from one flat array (one
+    conversion for the whole step, not one per sequence)."""
+    flat = np.fromiter(
+        itertools.chain.from_iterable(s.pages for s in seqs), dtype=np.int32, count=sum(num_pages)
+    )
+    table = np.zeros((len(seqs), max(num_pages)), dtype=np.int32)
+    # Row-major boolean assignment fills each row's first len(pages) entries in order.
+    table[np.arange(table.shape[1]) < np.array(num_pages)[:, None]] = flat
+    return table
+
+
+def _token_layout(
+    seqs: list[SequenceStep], query_lens: list[int], table: np.ndarray, page_size: int
+) -> tuple[np.ndarray, ...]:
+    """positions [T] int64, slot_mapping [T] int64, logits_indices [L] int64 and
+    query_start_loc [B + 1] int32 of the step's tokens."""
+    query = np.array(query_lens, dtype=np.int64)
+    starts = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(query, out=starts[1:])
+    cached = np.array([s.cached_len for s in seqs], dtype=np.int64)
+    seq_of_token = np.repeat(np.arange(len(seqs)), query)  # [T]
+    # Token t of sequence b (flat row starts[b] + t) sits at position cached[b] + t.
+    positions = np.arange(starts[-1]) + np.repeat(cached - starts[:-1], query)
+    pages = table[seq_of_token, positions // page_size].astype(np.int64)
+    slot_mapping = pages * page_size + positions % page_size
+    # Every token of an all_logits sequence needs logits, else only its last one.
+    wants_logits = np.repeat(np.array([s.all_logits for s in seqs]), query)
+    wants_logits[starts[1:] - 1] = True
+    logits_indices = np.flatnonzero(wants_logits)
+    return positions, slot_mapping, logits_indices, starts.astype(np.int32)
+
+
+# Each field starts on a 16-byte boundary of the shared buffer, as a tensor of its own
+# would: Triton specialises kernels on whether a pointer argument is 16-byte aligned.
+_FIELD_ALIGN = 16
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+
+
+def _to_device(arrays: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """The arrays on `device` (same dtypes and shapes) as views of one buffer, so the step
+    pays one host-to-device copy instead of one per field."""
+    offsets, size = [], 0
+    for array in arrays:
+        offsets.append(size)
+        size += -(-array.nbytes // _FIELD_ALIGN) * _FIELD_ALIGN
+    host = np.zeros(size, dtype=np.uint8)
+    for array, offset in zip(arrays, offsets, strict=True):
+        host[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+    buffer = torch.from_numpy(host).to(device)
+    return [
+        buffer[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
+        for array, offset in zip(arrays, offsets, strict=True)
+    ]
 
 
 def prefill_groups(

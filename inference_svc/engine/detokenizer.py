@@ -48,6 +48,8 @@ class StopStringMatcher:
         """Add text; returns what can be emitted now."""
         if self.stopped:
             return DetokenizedText("", True)
+        if not self.stops:  # most requests: nothing to hold back, no search per token
+            return DetokenizedText(text, False)
         buffer = self._held + text
         found = [index for index in (buffer.find(stop) for stop in self.stops) if index >= 0]
         if found:

@@ -11,6 +11,7 @@ rows, so the retry is exact).
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -115,21 +116,22 @@ class LLMEngine:
         if not out.scheduled:
             self._update_gauges()
             return 0
+        num_tokens = out.num_tokens  # a sum over the scheduled sequences: computed once
         # Observed before the outputs leave, so a client that reads the metrics once its
         # stream ends finds its last step counted.
-        self.metrics.batch_tokens.observe(out.num_tokens)
+        self.metrics.batch_tokens.observe(num_tokens)
         self.metrics.batch_seqs.observe(len(out.scheduled))
         adapters = {s.seq.adapter_key for s in out.scheduled} - {None}
         self.metrics.batch_adapters.observe(len(adapters))
         self._postprocess(self._run(out.scheduled))
         self._update_gauges()
-        return out.num_tokens
+        return num_tokens
 
-    def _run(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, Tensor]]:
-        """Logits rows of each scheduled sequence: its new tokens (prompt logprobs) or its
-        last one."""
+    def _run(self, scheduled: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], Tensor]]:
+        """The logits of each model run: one run of the whole step, or after a failure one
+        per sequence (a sequence whose own run fails is left out)."""
         try:
-            return self._split(scheduled, self._execute(scheduled))
+            return [(scheduled, self._execute(scheduled))]
         except Exception as exc:
             if len(scheduled) == 1:
                 self._fail_step(scheduled[0].seq, exc)
@@ -139,13 +141,13 @@ class LLMEngine:
                 len(scheduled),
                 type(exc).__name__,
             )
-        results = []
+        runs = []
         for one in scheduled:
             try:
-                results += self._split([one], self._execute([one]))
+                runs.append(([one], self._execute([one])))
             except Exception as exc:
                 self._fail_step(one.seq, exc)
-        return results
+        return runs
 
     def _execute(self, scheduled: list[ScheduledSeq]) -> Tensor:
         steps = [self._sequence_step(s) for s in scheduled]
@@ -166,30 +168,35 @@ class LLMEngine:
         )
 
     @staticmethod
-    def _split(scheduled: list[ScheduledSeq], logits: Tensor) -> list[tuple[ScheduledSeq, Tensor]]:
-        results, row = [], 0
+    def _row_spans(scheduled: list[ScheduledSeq]) -> list[tuple[int, int]]:
+        """[first, end) logits rows of each scheduled sequence in its run's logits: its new
+        tokens (prompt logprobs) or its last one."""
+        spans, row = [], 0
         for s in scheduled:
-            rows = s.query_len if s.all_logits else 1
-            results.append((s, logits[row : row + rows]))  # [rows, V]
-            row += rows
-        return results
+            end = row + (s.query_len if s.all_logits else 1)
+            spans.append((row, end))
+            row = end
+        return spans
 
-    def _postprocess(self, results: list[tuple[ScheduledSeq, Tensor]]) -> None:
-        to_sample: list[tuple[Sequence, Tensor]] = []
-        for s, rows in results:
-            seq = s.seq
-            if s.all_logits:
-                self._score_prompt(seq, rows)
-            seq.num_computed += s.query_len
-            if s.query_len > 1:
-                self.metrics.prefill_tokens.inc(s.query_len)
-            if seq.num_computed == seq.num_tokens:
-                to_sample.append((seq, rows[-1]))
-        if not to_sample:
+    def _postprocess(self, runs: list[tuple[list[ScheduledSeq], Tensor]]) -> None:
+        seqs: list[Sequence] = []
+        picked: list[tuple[Tensor, int]] = []  # (run logits, row) that samples seqs[i]
+        for scheduled, logits in runs:
+            for s, (first, end) in zip(scheduled, self._row_spans(scheduled), strict=True):
+                seq = s.seq
+                if s.all_logits:
+                    self._score_prompt(seq, logits[first:end])
+                seq.num_computed += s.query_len
+                if s.query_len > 1:
+                    self.metrics.prefill_tokens.inc(s.query_len)
+                if seq.num_computed == seq.num_tokens:
+                    seqs.append(seq)
+                    picked.append((logits, end - 1))
+        if not seqs:
             return
-        logits = torch.stack([row for _, row in to_sample])  # [B, V]
-        seqs = [seq for seq, _ in to_sample]
+        logits = _sampled_rows(picked)  # [B, V]
         drawn = sample(logits, [s.params.sampling for s in seqs], [s.generator for s in seqs])
+        self._count_generated(seqs)
         for seq, token, logprob in zip(
             seqs, drawn.token_ids.tolist(), drawn.logprobs.tolist(), strict=True
         ):
@@ -197,6 +204,13 @@ class LLMEngine:
                 self._append_token(seq, token, logprob)
             except Exception as exc:
                 self._fail_step(seq, exc)
+
+    def _count_generated(self, seqs: list[Sequence]) -> None:
+        """Count one generated token of each of `seqs`: one increment per adapter label,
+        not one labelled-child lookup and increment per token."""
+        self.metrics.generated_tokens.inc(len(seqs))
+        for label, count in collections.Counter(map(_adapter_label, seqs)).items():
+            self.metrics.adapter_tokens.labels(label).inc(count)
 
     def _score_prompt(self, seq: Sequence, rows: Tensor) -> None:
         """Row j of a chunk starting at position p predicts the token at p + j + 1."""
@@ -219,8 +233,6 @@ class LLMEngine:
             self.metrics.itl.observe(now - (seq.last_token_s or now))
         seq.last_token_s = now
         seq.output_token_ids.append(token)
-        self.metrics.generated_tokens.inc()
-        self.metrics.adapter_tokens.labels(_adapter_label(seq)).inc()
 
         delta = seq.detokenizer.add([token])
         reason = None
@@ -361,6 +373,18 @@ class LLMEngine:
 
     def unload(self, key: AdapterKey) -> bool:
         return self.scheduler.unload(key)
+
+
+def _sampled_rows(picked: list[tuple[Tensor, int]]) -> Tensor:
+    """[B, V] stack of the picked logits rows. When they are all the rows of one run in
+    order (every decode step) that is the run's logits as they are: no B row views and
+    no copy."""
+    logits = picked[0][0]
+    if len(picked) == logits.shape[0] and all(
+        run is logits and row == i for i, (run, row) in enumerate(picked)
+    ):
+        return logits
+    return torch.stack([run[row] for run, row in picked])
 
 
 def _adapter_label(seq: Sequence) -> str:

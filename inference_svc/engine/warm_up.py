@@ -22,8 +22,8 @@ prompt). Combinations of several per-step counts (the MoE alignment's pairs, pad
 tiles) cannot be enumerated by step shapes, so those kernels take their counts unspecialised
 (`do_not_specialize`; the H100 online run compiled `_moe_align_kernel` in a 520-token step
 after every shape above had run). LoRA rows use a slot whose rank is still 0 (the pool is
-empty at start-up): the kernels run, compile and add nothing. The steps write KV rows into pages no sequence owns
-yet.
+empty at start-up): the kernels run, compile and add nothing. The steps write KV rows into
+pages no sequence owns yet.
 """
 
 from __future__ import annotations

@@ -70,8 +70,9 @@ def run(
 
     def recording(input_ids, batch):
         logits = execute(input_ids, batch)
-        for s, part in engine._split(pending, logits):  # the rows the engine will read
-            rows.setdefault(s.seq.request_id, []).append(part.float().cpu())
+        spans = engine._row_spans(pending)  # the rows the engine will read
+        for s, (first, end) in zip(pending, spans, strict=True):
+            rows.setdefault(s.seq.request_id, []).append(logits[first:end].float().cpu())
         steps.append([StepShare(s.seq.request_id, s.query_len, s.all_logits) for s in pending])
         return logits
 
