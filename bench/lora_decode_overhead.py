@@ -79,6 +79,12 @@ KERNEL_SETS: dict[str, dict[str, Callable[..., Any]]] = {
     },
     "serial": {"lora_side_stream": _no_side_stream},
     "new": {},
+    # The defaults with the MoE LoRA "runs" kernels at every batch: pairs walked in the
+    # base MoE's expert order, one read of each (adapter, expert) key per block of pairs.
+    "moe_runs": {
+        "moe_lora_gate_up": functools.partial(moe_lora_gate_up, variant="runs"),
+        "moe_lora_down": functools.partial(moe_lora_down, variant="runs"),
+    },
 }
 
 
@@ -184,11 +190,26 @@ class StepRow:
         return self.lora_us / self.base_us - 1.0
 
 
-def measure_steps(setup: Setup, batches: tuple[int, ...], profile: bool) -> list[StepRow]:
-    """Base and LoRA step per batch; with `profile`, the µs per kernel class of both."""
+def default_cases(batches: tuple[int, ...], num_slots: int) -> list[tuple[int, int]]:
+    """(batch, distinct adapters) per batch size: as many adapters as the batch and the
+    slots allow."""
+    return [(size, min(size, num_slots)) for size in batches]
+
+
+def parse_case(text: str) -> tuple[int, int]:
+    """'128x8' → (batch 128, 8 distinct adapters)."""
+    batch, _, adapters = text.partition("x")
+    if not batch.isdigit() or not adapters.isdigit() or int(batch) < 1 or int(adapters) < 1:
+        raise argparse.ArgumentTypeError(f"a case is BATCHxADAPTERS, e.g. 128x8; got {text!r}")
+    return int(batch), int(adapters)
+
+
+def measure_steps(setup: Setup, cases: list[tuple[int, int]], profile: bool) -> list[StepRow]:
+    """Base and LoRA step per (batch, adapters) case; with `profile`, the µs per kernel
+    class of both."""
     rows = []
-    for size in batches:
-        adapters = min(size, setup.num_slots)
+    for size, adapters in cases:
+        adapters = min(adapters, size, setup.num_slots)
         times, profiles = [], {}
         for label, count in (("base", 0), ("lora", adapters)):
             input_ids, batch = decode_batch(setup, size, count)
@@ -310,10 +331,18 @@ def plot(results: dict[str, Any], png_path: Path) -> None:
 
 
 def run(
-    out: Path, layers: int, context: int, variants: list[str], profile: bool, prefill: bool
+    out: Path,
+    layers: int,
+    context: int,
+    variants: list[str],
+    profile: bool,
+    prefill: bool,
+    cases: list[tuple[int, int]] | None = None,
 ) -> None:
     start = time.perf_counter()
-    setup = make_setup(v2_lite_config(layers), "cuda", context, BATCHES, graphs=False)
+    batches = tuple(sorted({size for size, _ in cases})) if cases else BATCHES
+    setup = make_setup(v2_lite_config(layers), "cuda", context, batches, graphs=False)
+    cases = cases or default_cases(batches, setup.num_slots)
     measured = {}
     for name in variants:
         with kernel_set(name):
@@ -323,7 +352,7 @@ def run(
             del runner
             setup.runner.capture_decode_graphs()
             print(f"[{name}] graphs captured at {time.perf_counter() - start:.0f} s")
-            rows = measure_steps(setup, BATCHES, profile)
+            rows = measure_steps(setup, cases, profile)
             measured[name] = {
                 "decode": [{**asdict(r), "overhead": r.overhead} for r in rows],
                 "moe": measure_moe(setup),
@@ -343,12 +372,12 @@ def run(
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    print("\nvariant  batch  base µs   LoRA µs  overhead   (MoE LoRA ÷ base)")
+    print("\nvariant  batch adapters  base µs   LoRA µs  overhead   (MoE LoRA ÷ base)")
     for name, result in measured.items():
         for r in result["decode"]:
             print(
-                f"{name:8s} {r['batch']:5d} {r['base_us']:8.1f} {r['lora_us']:9.1f}"
-                f" {r['overhead']:+8.1%}"
+                f"{name:8s} {r['batch']:5d} {r['adapters']:8d} {r['base_us']:8.1f} "
+                f"{r['lora_us']:9.1f} {r['overhead']:+8.1%}"
             )
         print(f"{name:8s} MoE B={MOE_BATCH} ×{MOE_ADAPTERS}: {result['moe']['ratio']:.3f}")
     plot(results, out.with_suffix(".png"))
@@ -388,6 +417,13 @@ def main() -> None:
         "--profile", action="store_true", help="also record µs per kernel class (torch profiler)"
     )
     parser.add_argument(
+        "--cases",
+        nargs="+",
+        type=parse_case,
+        help="decode cases BATCHxADAPTERS (default: batches 1 64 256, adapters "
+        f"min(batch, {NUM_ADAPTERS}))",
+    )
+    parser.add_argument(
         "--prefill",
         action="store_true",
         help=f"also a prefill step of {PREFILL_SEQS} prompts of --context tokens (eager)",
@@ -396,7 +432,15 @@ def main() -> None:
     if args.smoke:
         smoke()
     elif args.out:
-        run(args.out, args.layers, args.context, args.variants, args.profile, args.prefill)
+        run(
+            args.out,
+            args.layers,
+            args.context,
+            args.variants,
+            args.profile,
+            args.prefill,
+            args.cases,
+        )
     else:
         parser.error("give --out or --smoke")
 

@@ -191,9 +191,14 @@ def moe_block_m(num_pairs: int, num_experts: int) -> int:
     Each extra tile of one expert re-reads that expert's weights, so the tile grows with
     the mean pairs per expert (×1.5 for uneven routing); padded rows cost only FLOPs,
     which decode has to spare: 16 while 1.5 × mean ≤ 16 (V2-Lite decode B ≤ 113), 32 while
-    ≤ 32 (B ≤ 227), else 64.
+    ≤ 32 (B ≤ 227), 64 while < 128, then 128 (V2-Lite prefill steps from ~910 tokens),
+    where the 128-row tiles with `PREFILL_TILES` ran the 8192-token step's expert GEMMs
+    1.8-2.5× faster (bf16) than 64-row ones; at 512 tokens 64 rows were as fast or faster
+    (H100, bench.grouped_gemm_tiles).
     """
     want = max(1, int(1.5 * num_pairs / max(1, num_experts)))
+    if want >= 128:
+        return 128
     return int(min(64, max(16, triton.next_power_of_2(want))))
 
 
@@ -337,15 +342,22 @@ class GemmTiles:
     num_stages: int = 3
 
 
-# Decode-sized batches (row tile 16/32) are weight-bandwidth bound: small tiles, many
-# programs. The prefill tiles (row tile 64) are what `bench.grouped_gemm_tiles` measured
-# fastest on the H100 at V2-Lite prefill shapes.
-DECODE_TILES = GemmTiles()
-PREFILL_TILES = GemmTiles()
+# Up to 64-row tiles (decode, short prefills) small column tiles and many programs: the
+# weights' bandwidth bounds them, and at 512 tokens no larger plan was faster. 128-row
+# tiles (long prefills) by scheme: what `bench.grouped_gemm_tiles` measured fastest on the
+# H100 at V2-Lite's 8192-token step (bf16 gate_up 1.78×, down 2.47× over 64 × 64 tiles;
+# FP8 block-scaled 1.05× / 1.41× with K tiles of 128; w8a8 and int4 not measured).
+DEFAULT_TILES = GemmTiles()
+PREFILL_TILES = {
+    "float": GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3),
+    "block": GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3),
+}
 
 
-def default_tiles(block_m: int) -> GemmTiles:
-    return PREFILL_TILES if block_m >= 64 else DECODE_TILES
+def default_tiles(block_m: int, scheme: str) -> GemmTiles:
+    if block_m >= 128:
+        return PREFILL_TILES.get(scheme, DEFAULT_TILES)
+    return DEFAULT_TILES
 
 
 def grouped_gemm(
@@ -361,11 +373,11 @@ def grouped_gemm(
     """Triton version of `grouped_gemm_ref` (same arguments and result).
 
     "w8a8" quantizes `a` per row with `per_token_quant_int8` first (one extra launch).
-    tiles: None picks `default_tiles(align.block_m)`; a scale block along K must be a
-    multiple of tiles.block_k (the FP8 and int4 schemes use at most min(block_k, BK)).
+    tiles: None picks `default_tiles(align.block_m, scheme)`; a scale block along K must be
+    a multiple of the K tile (the FP8 and int4 schemes use min(tiles.block_k, BK)).
     """
-    tiles = tiles or default_tiles(align.block_m)
     scheme = _scheme(scheme, w_scale)
+    tiles = tiles or default_tiles(align.block_m, scheme)
     num_experts, n, stored_k = w.shape
     k = a.shape[-1]
     if stored_k != _stored_k(k, scheme) or a.stride(-1) != 1 or w.stride(-1) != 1:

@@ -109,6 +109,10 @@ def test_block_m_grows_with_pairs_per_expert():
     # V2-Lite decode (64 experts, top-6): one 16-row tile per expert up to B=64.
     assert [fm.moe_block_m(b * 6, 64) for b in (1, 8, 64, 128, 256)] == [16, 16, 16, 32, 64]
     assert fm.moe_block_m(256 * 8, 256) == 16  # V3 decode B=256: 8 pairs per expert
+    # Prefill: 64 rows up to ~85 pairs per expert, then 128 (with the long-prefill tiles).
+    assert [fm.moe_block_m(t * 6, 64) for t in (512, 900, 911, 8192)] == [64, 64, 128, 128]
+    assert fm.default_tiles(128, "float") == fm.PREFILL_TILES["float"]
+    assert fm.default_tiles(64, "float") == fm.default_tiles(128, "w8a8") == fm.GemmTiles()
 
 
 def make_experts(experts, n, k, dtype, seed, fp8_block=None):
@@ -123,15 +127,16 @@ def make_experts(experts, n, k, dtype, seed, fp8_block=None):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("fp8_block", [None, (16, 32)])
-def test_grouped_gemm_matches_ref(dtype, pattern, fp8_block):
+@pytest.mark.parametrize("block_m", [16, 128])  # decode tiles; long-prefill tiles
+def test_grouped_gemm_matches_ref(dtype, pattern, fp8_block, block_m):
     tokens, experts, top_k, hidden, inter = 19, 8, 2, 64, 48
     ids, _ = routing(tokens, experts, top_k, pattern, seed=1)
-    align = fm.moe_align(ids.to(DEVICE), experts, 16)
+    align = fm.moe_align(ids.to(DEVICE), experts, block_m)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
     w13, s13 = make_experts(experts, 2 * inter, hidden, dtype, 3, fp8_block)
     gate_up = fm.grouped_gemm(x.to(DEVICE), w13.to(DEVICE), align, top_k,
                               None if s13 is None else s13.to(DEVICE), fp8_block)  # fmt: skip
-    align_cpu = fm.moe_align_ref(ids, experts, 16)
+    align_cpu = fm.moe_align_ref(ids, experts, block_m)
     ref = fm.grouped_gemm_ref(x.float(), w13, align_cpu, top_k, s13, fp8_block)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(gate_up.float().cpu(), ref, atol=atol, rtol=rtol)
