@@ -119,13 +119,18 @@ class Setup:
 
 
 def fill_pool(pool: LoraPool, num_adapters: int) -> None:
-    """Random rank-`pool.max_rank` adapters on every module in slots [0, num_adapters)."""
+    """Random rank-`pool.max_rank` adapters on every module in slots [0, num_adapters).
+
+    The per-module ranks are what the kernels read (a module whose rank is 0 skips its
+    work): set with the slot ranks, as `LoraPool.load` does from a manifest.
+    """
     generator = torch.Generator(device=pool.device).manual_seed(1)
     with torch.no_grad():
         for layer, module in pool.module_instances():
             for buffer in (pool.lora_a(layer, module), pool.lora_b(layer, module)):
                 buffer[:num_adapters].normal_(0.0, 0.02, generator=generator)
         pool.slot_rank[:num_adapters] = pool.max_rank
+        pool.module_rank[:, :num_adapters] = pool.max_rank
     pool.slot_rank_host[:num_adapters] = [pool.max_rank] * num_adapters
 
 
@@ -389,12 +394,19 @@ def smoke() -> None:
     for name in KERNEL_SETS:
         with kernel_set(name):
             for size in (1, 8):
+                outputs = []
                 for adapters in (0, min(size, setup.num_slots)):
                     input_ids, batch = decode_batch(setup, size, adapters)
                     assert (batch.lora is None) == (adapters == 0)
+                    torch.manual_seed(size)  # the same tokens with and without LoRA
+                    input_ids = torch.randint_like(input_ids, setup.model.config.vocab_size)
                     logits = setup.runner.execute(input_ids, batch)
                     vocab = setup.model.config.vocab_size
                     assert logits.shape == (size, vocab) and torch.isfinite(logits).all()
+                    outputs.append(logits)
+                # The timed LoRA steps must do LoRA work: the adapters change every row.
+                changed = (outputs[0] - outputs[1]).abs().amax(dim=-1) > 1e-6  # [size]
+                assert changed.all(), f"{name}: LoRA left {int((~changed).sum())} rows as base"
             input_ids, batch = prefill_batch(setup, 4, setup.context, 2)
             logits = setup.runner.execute(input_ids, batch)
             assert logits.shape[0] == 4 and torch.isfinite(logits).all()
