@@ -18,7 +18,7 @@ from inference_svc.lora.pool import (
     staging_elements,
 )
 from tests.fixtures.random_adapters import random_adapter
-from tests.fixtures.slot_checks import assert_slot_empty, assert_slot_holds
+from tests.fixtures.slot_checks import assert_slot_empty, assert_slot_holds, host_copy
 from tests.fixtures.tiny_models import tiny_config
 
 MAX_RANK = 16
@@ -180,9 +180,5 @@ def test_cuda_load_on_side_stream(layout: str) -> None:
     load.wait_on()
     torch.cuda.current_stream().synchronize()
     assert load.done()
-    host = LoraPool(pool.shapes, 4, LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", max_loras=4))
-    for layer, module in pool.module_instances():
-        host.lora_a(layer, module).copy_(pool.lora_a(layer, module))
-        host.lora_b(layer, module).copy_(pool.lora_b(layer, module))
-    assert_slot_holds(host, 3, adapter)
+    assert_slot_holds(host_copy(pool), 3, adapter)
     assert pool.slot_rank.tolist() == [0, 0, 0, 8]

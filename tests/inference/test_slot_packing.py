@@ -23,7 +23,7 @@ from inference_svc.lora.packing import (
 )
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from tests.fixtures.random_adapters import random_adapter
-from tests.fixtures.slot_checks import assert_slot_empty, assert_slot_holds
+from tests.fixtures.slot_checks import assert_slot_empty, assert_slot_holds, host_copy
 from tests.fixtures.tiny_models import tiny_config
 
 MAX_RANK = 16
@@ -229,10 +229,7 @@ def test_cuda_packed_loads_back_to_back(staging_bytes: int) -> None:
     assert all(load.event is not None for load in loads)
     for load in loads:
         load.wait_on()
-    host = LoraPool(pool.shapes, 4, LoraPoolConfig(MAX_RANK, torch.bfloat16, "cpu", max_loras=4))
-    for layer, module in pool.module_instances():  # copies on the current stream
-        host.lora_a(layer, module).copy_(pool.lora_a(layer, module))
-        host.lora_b(layer, module).copy_(pool.lora_b(layer, module))
+    host = host_copy(pool)  # copies on the current stream
     assert all(load.done() for load in loads)
     for slot, adapter in enumerate(adapters):
         assert_slot_holds(host, slot, adapter)
