@@ -350,7 +350,11 @@ class LoraPool:
             else:
                 self._load_tensors(slot, adapter)
             self.slot_rank[slot] = r
-            self.module_rank[:, slot].copy_(self._module_ranks(adapter.manifest))
+            # From pinned memory, non-blocking: a pageable source would make this copy wait
+            # on the host for everything queued before it on the side stream (the whole
+            # adapter's copies), stalling the engine thread for each slot load.
+            ranks = self._module_ranks(adapter.manifest)
+            self.module_rank[:, slot].copy_(ranks, non_blocking=ranks.is_pinned())
             event = self._record()
         self.slot_rank_host[slot] = r
         return SlotLoad(slot, event)
@@ -358,10 +362,10 @@ class LoraPool:
     def _module_ranks(self, manifest: Manifest) -> Tensor:
         """int32 [instances]: each targeted module instance's true rank (≤ the adapter's:
         a rank_pattern module's columns past its own rank are zero), 0 elsewhere."""
-        ranks = torch.zeros(len(self._instance_row), dtype=torch.int32)
+        ranks = [0] * len(self._instance_row)
         for key, rank in zip(manifest.modules, manifest.module_ranks.values(), strict=True):
             ranks[self._instance_row[key]] = rank
-        return ranks
+        return torch.tensor(ranks, dtype=torch.int32, pin_memory=self._stream is not None)
 
     def _load_packed(self, slot: int, adapter: PackedAdapter) -> None:
         """On the side stream: zero what the runs leave, then stage and scatter the chunks."""

@@ -182,3 +182,31 @@ def test_cuda_load_on_side_stream(layout: str) -> None:
     assert load.done()
     assert_slot_holds(host_copy(pool), 3, adapter)
     assert pool.slot_rank.tolist() == [0, 0, 0, 8]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_load_and_unload_never_wait_for_the_gpu(packed: bool) -> None:
+    """The engine thread issues slot loads between steps: a load (or unload) that waited
+    for the side stream's queued copies stalled every running request for the adapter's
+    transfer time. The GPU is kept busy first; the calls must return before it is done."""
+    config = LoraPoolConfig(MAX_RANK, torch.bfloat16, "cuda", max_loras=2)
+    pool = LoraPool.from_config(model_lora_shapes(_config()), config)
+    adapter = random_adapter(_config(), 8, dtype=torch.bfloat16, seed=9)
+    if packed:
+        source = pool.packing.pack(adapter, pin=True)
+    else:
+        source = adapter
+        source.tensors = {name: t.pin_memory() for name, t in adapter.tensors.items()}
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time; the side stream waits for it
+    busy = torch.cuda.Event()
+    busy.record()
+    load = pool.load(0, source)
+    unload = pool.unload(1)
+    assert not busy.query(), "load/unload waited for the GPU"
+    load.wait_on()
+    unload.wait_on()
+    torch.cuda.synchronize()
+    assert_slot_holds(host_copy(pool), 0, adapter)
