@@ -349,12 +349,15 @@ class LoraPool:
                 self._load_packed(slot, adapter)
             else:
                 self._load_tensors(slot, adapter)
-            self.slot_rank[slot] = r
-            # From pinned memory, non-blocking: a pageable source would make this copy wait
-            # on the host for everything queued before it on the side stream (the whole
-            # adapter's copies), stalling the engine thread for each slot load.
-            ranks = self._module_ranks(adapter.manifest)
-            self.module_rank[:, slot].copy_(ranks, non_blocking=ranks.is_pinned())
+            # No host→device copy that blocks: `slot_rank[slot] = r` (a 0-dim target is
+            # filled by a synchronous copy) and a copy into the strided rank column both
+            # made the host wait until the side stream had run everything queued before
+            # them, i.e. the whole adapter's copies: the engine thread stalled for each
+            # slot load (H100: the call took as long as the GPU work ahead of it). A fill
+            # kernel, and a pinned non-blocking upload then a device-side copy, do not.
+            self.slot_rank[slot : slot + 1].fill_(r)
+            ranks = self._module_ranks(adapter.manifest).to(self.device, non_blocking=True)
+            self.module_rank[:, slot].copy_(ranks)
             event = self._record()
         self.slot_rank_host[slot] = r
         return SlotLoad(slot, event)
@@ -442,7 +445,7 @@ class LoraPool:
         self._check_slot(slot)
         with self._on_side_stream():
             self._zero_slot(slot)
-            self.slot_rank[slot] = 0
+            self.slot_rank[slot : slot + 1].fill_(0)  # not `[slot] = 0`: see `load`
             self.module_rank[:, slot] = 0
             event = self._record()
         self.slot_rank_host[slot] = 0
