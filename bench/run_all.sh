@@ -8,7 +8,9 @@
 # lora_slot_load serve_offline_r16 serve_online serve_offline_r64, then the variants (not in
 # the ≈ 9 min of a plain run; name them): serve_offline_noroute (adapters off the routed
 # experts), serve_offline_fp8 (routed experts FP8 block-quantized), serve_cold_idle
-# (cold-adapter probes on an idle engine), model_decode_fp8. A benchmark cut off by its
+# (cold-adapter probes on an idle engine), model_decode_fp8, grouped_gemm_tiles (expert GEMM
+# tile plans at prefill shapes), copy_contention (a step's copy beside a slot load),
+# serve_offline_profile (profiler windows inside serving). A benchmark cut off by its
 # limit keeps what it wrote (the serving ones rewrite their JSON after every scenario and
 # skip scenarios that would not fit: --time-budget). Logs: RESULTS_DIR/NAME.log.
 # Limits (s) can be changed per benchmark: LIMIT_<NAME>=300 bash bench/run_all.sh DIR NAME.
@@ -21,12 +23,14 @@ mkdir -p "$OUT"
 START=$(date +%s)
 for name_limit in ceilings:30 lora_kernels:50 model_decode:50 lora_decode_overhead:45 \
     lora_slot_load:45 serve_offline_r16:140 serve_online:120 serve_offline_r64:50 \
-    model_decode_fp8:60 serve_offline_fp8:140 serve_offline_noroute:130 serve_cold_idle:100; do
+    model_decode_fp8:60 serve_offline_fp8:140 serve_offline_noroute:130 serve_cold_idle:100 \
+    grouped_gemm_tiles:120 copy_contention:60 serve_offline_profile:300; do
   var="LIMIT_${name_limit%%:*}"
   declare "$var=${!var:-${name_limit##*:}}"
 done
 
 VARIANTS=" model_decode_fp8 serve_offline_fp8 serve_offline_noroute serve_cold_idle "
+VARIANTS+=" grouped_gemm_tiles copy_contention serve_offline_profile "
 
 run() {  # run NAME LIMIT_S MODULE ARGS...
   local name=$1 limit=$2
@@ -64,6 +68,12 @@ run serve_cold_idle "$LIMIT_serve_cold_idle" bench.serve_online --rank 16 --out 
   --rates --cold-rate 0 --probes 8 --probe-interval 0.5 --adapters 4
 run model_decode_fp8 "$LIMIT_model_decode_fp8" bench.model_decode --experts fp8 \
   --json "$OUT/model_decode_fp8.json" --plot "$OUT/model_decode_fp8.png" --batch-sizes 1 64 256
+run grouped_gemm_tiles "$LIMIT_grouped_gemm_tiles" bench.grouped_gemm_tiles \
+  --out "$OUT/grouped_gemm_tiles.json"
+run copy_contention "$LIMIT_copy_contention" bench.copy_contention --out "$OUT/copy_contention.json"
+run serve_offline_profile "$LIMIT_serve_offline_profile" bench.serve_offline --rank 16 \
+  --out "$OUT/serve_offline_profile.json" --profile-steps 3 \
+  --scenarios "no LoRA" "N=32 uniform" "N=1 uniform"
 
 echo "== all done in $(( $(date +%s) - START )) s; results in $OUT"
 "$PY" -m bench.summary "$OUT"
