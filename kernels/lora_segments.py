@@ -18,6 +18,7 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -126,7 +127,7 @@ def allocate_lora_segments(config: LoraSegmentsConfig, device: torch.device | st
 
 
 def build_lora_segments(
-    token_slots: Sequence[int] | Tensor,
+    token_slots: Sequence[int] | Tensor | np.ndarray,
     slot_rank: Sequence[int] | Tensor,
     *,
     out: LoraSegments | None = None,
@@ -138,6 +139,9 @@ def build_lora_segments(
     Semantics: segment s covers tokens [seg_indptr[s], seg_indptr[s+1]), all with slot
     seg_slot[s]; token_slot[t] = token_slots[t]; rows past the live counts are empty / -1.
 
+    The segments are computed with numpy on the host (this runs every engine step, where a
+    dozen small torch ops cost more than the arithmetic) and reach the device in one copy.
+
     Args:
         token_slots: host ints [T], slot per token (-1 = base model).
         slot_rank: [num_slots] true rank per slot, host ints or a tensor; a tensor on the
@@ -146,63 +150,88 @@ def build_lora_segments(
             captured CUDA graph sees the new batch; its capacity bounds T. Without `out`,
             buffers of exactly this batch's size are allocated on `device`.
     """
-    slots = torch.as_tensor(token_slots, dtype=torch.int32, device="cpu").reshape(-1)
+    slots = torch.as_tensor(token_slots, dtype=torch.int32, device="cpu").reshape(-1).numpy()
     num_slots = slot_rank.shape[0] if isinstance(slot_rank, Tensor) else len(slot_rank)
     if out is None:
-        out = allocate_lora_segments(
-            LoraSegmentsConfig(max(slots.numel(), 1), num_slots, max_seg_len), device
-        )
+        config = LoraSegmentsConfig(max(slots.size, 1), num_slots, max_seg_len)
+        # Left uninitialised: the build below writes every entry of both.
+        packed = torch.empty(_packed_len(config), dtype=torch.int32, device=device)
+        out = _views(packed, config, torch.empty(num_slots, dtype=torch.int32, device=device))
     config = LoraSegmentsConfig(out.max_tokens, out.slot_rank.shape[0], out.max_seg_len)
-    if slots.numel() > config.max_tokens:
-        raise ValueError(f"batch has {slots.numel()} tokens, buffers hold {config.max_tokens}")
+    if slots.size > config.max_tokens:
+        raise ValueError(f"batch has {slots.size} tokens, buffers hold {config.max_tokens}")
     if num_slots != config.num_slots:
         raise ValueError(f"slot_rank has {num_slots} slots, buffers hold {config.num_slots}")
-    if slots.numel() and (slots.min() < NO_SLOT or slots.max() >= config.num_slots):
+    if slots.size and (slots.min() < NO_SLOT or slots.max() >= config.num_slots):
         raise ValueError(f"token slots must lie in [-1, {config.num_slots}), got {slots.tolist()}")
 
     seg_starts = _segment_starts(slots, config.max_seg_len)
+    # Staged in pinned memory on CUDA so that the copy is asynchronous (no host sync while
+    # a captured graph's buffers are refilled).
     host = torch.empty(_packed_len(config), dtype=torch.int32, pin_memory=out.packed.is_cuda)
-    staged = _views(host, config, host[:0])
-    staged.seg_indptr.fill_(slots.numel())
-    staged.seg_indptr[: seg_starts.numel()] = seg_starts
-    staged.seg_slot.fill_(NO_SLOT)
-    staged.seg_slot[: seg_starts.numel()] = slots[seg_starts]
-    staged.token_slot.fill_(NO_SLOT)
-    staged.token_slot[: slots.numel()] = slots
-    staged.num_segments.fill_(seg_starts.numel())
+    _fill_packed(host.numpy(), config, slots, seg_starts)
     out.packed.copy_(host, non_blocking=True)
 
     if isinstance(slot_rank, Tensor):
         out.slot_rank.copy_(slot_rank, non_blocking=True)
     else:
         out.slot_rank.copy_(torch.tensor(list(slot_rank), dtype=torch.int32), non_blocking=True)
-    out.num_tokens = slots.numel()
-    out.num_live_segments = seg_starts.numel()
+    out.num_tokens = slots.size
+    out.num_live_segments = seg_starts.size
     return out
 
 
-def _segment_starts(slots: Tensor, max_seg_len: int) -> Tensor:
-    """First token of each segment: where the slot changes or a run reaches max_seg_len."""
-    num_tokens = slots.numel()
-    if num_tokens == 0:
-        return torch.zeros(0, dtype=torch.int32)
-    changed = torch.ones(num_tokens, dtype=torch.bool)
-    changed[1:] = slots[1:] != slots[:-1]
-    run_starts = torch.nonzero(changed).flatten()  # [runs]
-    run_of_token = torch.cumsum(changed.to(torch.int64), 0) - 1  # [T]
-    pos_in_run = torch.arange(num_tokens) - run_starts[run_of_token]  # [T]
-    return torch.nonzero(pos_in_run % max_seg_len == 0).flatten().to(torch.int32)
+def _segment_starts(slots: np.ndarray, max_seg_len: int) -> np.ndarray:
+    """First token of each segment: where the slot changes or a run reaches max_seg_len.
+
+    Args: slots int [T] slot per token. Returns int64 [num_segments], ascending.
+    """
+    index = np.arange(slots.size)
+    changed = np.empty(slots.size, dtype=bool)
+    changed[:1] = True
+    np.not_equal(slots[1:], slots[:-1], out=changed[1:])
+    # The first token of each token's run is the last change at or before it.
+    run_start = np.maximum.accumulate(np.where(changed, index, 0))  # [T]
+    return np.flatnonzero((index - run_start) % max_seg_len == 0)
 
 
-# One packed int32 buffer holds every per-step field so the builder needs a single copy.
+def _fill_packed(
+    packed: np.ndarray, config: LoraSegmentsConfig, slots: np.ndarray, seg_starts: np.ndarray
+) -> None:
+    """Write the per-step fields of `slots`' segments into a host packed buffer, padded
+    past the live counts with empty segments and slot -1."""
+    seg_indptr, seg_slot, token_slot, num_segments = _split(packed, config)
+    live = seg_starts.size
+    seg_indptr[:live] = seg_starts
+    seg_indptr[live:] = slots.size
+    seg_slot[:live] = slots[seg_starts]
+    seg_slot[live:] = NO_SLOT
+    token_slot[: slots.size] = slots
+    token_slot[slots.size :] = NO_SLOT
+    num_segments[0] = live
+
+
+# One packed int32 buffer holds every per-step field so the builder needs a single copy:
+# seg_indptr, seg_slot, token_slot and num_segments, in that order.
+def _field_lens(config: LoraSegmentsConfig) -> list[int]:
+    return [config.max_segments + 1, config.max_segments, config.max_tokens, 1]
+
+
 def _packed_len(config: LoraSegmentsConfig) -> int:
-    return (config.max_segments + 1) + config.max_segments + config.max_tokens + 1
+    return sum(_field_lens(config))
+
+
+def _split(packed: np.ndarray, config: LoraSegmentsConfig) -> list[np.ndarray]:
+    """The fields of a host packed buffer as numpy views (what `_views` is to tensors)."""
+    fields, start = [], 0
+    for length in _field_lens(config):
+        fields.append(packed[start : start + length])
+        start += length
+    return fields
 
 
 def _views(packed: Tensor, config: LoraSegmentsConfig, slot_rank: Tensor) -> LoraSegments:
-    seg_indptr, seg_slot, token_slot, num_segments = torch.split(
-        packed, [config.max_segments + 1, config.max_segments, config.max_tokens, 1]
-    )
+    seg_indptr, seg_slot, token_slot, num_segments = torch.split(packed, _field_lens(config))
     return LoraSegments(
         seg_indptr=seg_indptr,
         seg_slot=seg_slot,

@@ -151,11 +151,9 @@ class LLMEngine:
 
     def _execute(self, scheduled: list[ScheduledSeq]) -> Tensor:
         steps = [self._sequence_step(s) for s in scheduled]
-        input_ids = [
-            token
-            for s in scheduled
-            for token in s.seq.token_ids(s.seq.num_computed, s.seq.num_computed + s.query_len)
-        ]
+        input_ids: list[int] = []
+        for s in scheduled:
+            input_ids += s.seq.token_ids(s.seq.num_computed, s.seq.num_computed + s.query_len)
         batch = build_batch(steps, self.page_size, self.device, self.runner.lora_slot_rank)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
         return self.runner.execute(ids, batch)  # [L, V]
@@ -197,9 +195,8 @@ class LLMEngine:
         logits = _sampled_rows(picked)  # [B, V]
         drawn = sample(logits, [s.params.sampling for s in seqs], [s.generator for s in seqs])
         self._count_generated(seqs)
-        for seq, token, logprob in zip(
-            seqs, drawn.token_ids.tolist(), drawn.logprobs.tolist(), strict=True
-        ):
+        token_ids, logprobs = drawn.to_lists()
+        for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
             try:
                 self._append_token(seq, token, logprob)
             except Exception as exc:

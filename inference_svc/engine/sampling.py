@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -51,6 +52,14 @@ class SamplingParams:
 class SampleOutput:
     token_ids: Tensor  # int64 [B]
     logprobs: Tensor  # float32 [B], log_softmax of the unmodified logits at token_ids
+
+    def to_lists(self) -> tuple[list[int], list[float]]:
+        """Token ids and logprobs as Python lists, as `.tolist()` of each gives them, in one
+        device→host copy: each copy to the host waits for the device, so two would sync
+        twice per step. The logprobs travel bit for bit as float64 inside an int64 row."""
+        logprob_bits = self.logprobs.double().view(torch.int64)
+        host = torch.stack((self.token_ids, logprob_bits)).cpu().numpy()  # [2, B]
+        return host[0].tolist(), host[1].view(np.float64).tolist()
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

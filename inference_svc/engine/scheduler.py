@@ -230,7 +230,8 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             seq = self.running[index]
-            want = 1 if seq.num_remaining == 1 else min(seq.num_remaining, budget)
+            remaining = seq.num_remaining
+            want = 1 if remaining == 1 else min(remaining, budget)
             if want == 0:
                 index += 1
                 continue
@@ -246,8 +247,10 @@ class Scheduler:
         sequences as needed; False when `seq` itself had to be preempted."""
         while True:
             needed = pages_for(seq.num_computed + tokens, self.config.page_size) - len(seq.pages)
+            if needed <= 0:
+                return True  # the tokens fit in the pages it holds: most decode steps
             if self.pages.can_allocate(needed):
-                seq.pages.extend(self.pages.allocate(max(needed, 0)))
+                seq.pages.extend(self.pages.allocate(needed))
                 return True
             victim = self.running[-1]
             self._preempt(victim)

@@ -171,8 +171,13 @@ class Sequence:
         )
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output."""
+        """Tokens [start, end) of prompt + output (0 <= start).
+
+        Slices the two lists rather than joining them: a decode asks for one token every
+        step, and a copy of its whole history would grow with the sequence.
+        """
         prompt = self.prompt_token_ids
         if end <= len(prompt):
             return prompt[start:end]
-        return (prompt + self.output_token_ids)[start:end]
+        output = self.output_token_ids[max(start - len(prompt), 0) : end - len(prompt)]
+        return prompt[start:] + output if start < len(prompt) else output

@@ -12,9 +12,11 @@ interleaved batch stays exact but makes more, shorter segments.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,9 +71,7 @@ def build_lora_batch(
         raise ValueError(f"{len(seq_slots)} slots for {len(query_lens)} sequences")
     if all(slot == NO_SLOT for slot in seq_slots):
         return None
-    token_slots = tuple(
-        slot for slot, n in zip(seq_slots, query_lens, strict=True) for _ in range(n)
-    )
+    token_slots = _token_slots(seq_slots, query_lens)
     tokens = build_lora_segments(token_slots, slot_rank, device=device)
     decode_tokens: LoraSegments | None = None
     if num_decode_seqs == len(seq_slots):
@@ -86,13 +86,19 @@ def build_lora_batch(
     return LoraBatch(tokens, decode_tokens, token_slots, tuple(seq_slots), context_rows)
 
 
+def _token_slots(seq_slots: Sequence[int], query_lens: Sequence[int]) -> tuple[int, ...]:
+    """Each sequence's slot once per new token. A decode step (one token per sequence, the
+    common case) is the sequences' slots as they are: no Python work per token."""
+    if all(n == 1 for n in query_lens):
+        return tuple(seq_slots)
+    return tuple(itertools.chain.from_iterable(map(itertools.repeat, seq_slots, query_lens)))
+
+
 def _context_segments(
     slots: Sequence[int], context_lens: Sequence[int], slot_rank: Tensor, device: torch.device | str
 ) -> LoraSegments | None:
     """Segments of the sequences' context rows end to end (None when no adapter is used)."""
     if all(slot == NO_SLOT for slot in slots):
         return None
-    rows = torch.tensor(list(slots), dtype=torch.int32).repeat_interleave(
-        torch.tensor(list(context_lens))
-    )  # [Σ ctx]
+    rows = np.repeat(np.array(slots, dtype=np.int32), context_lens)  # [Σ ctx]
     return build_lora_segments(rows, slot_rank, device=device)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from inference_svc.engine.sampling import SamplingParams, make_generator, sample
+from inference_svc.engine.sampling import SampleOutput, SamplingParams, make_generator, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])  # [1, V=6], distinct, sorted
 RAW_LOGPROBS = torch.log_softmax(LOGITS[0], dim=-1)
@@ -26,6 +28,22 @@ def test_greedy_takes_argmax_with_raw_logprobs() -> None:
     want = torch.log_softmax(logits, -1).gather(1, out.token_ids[:, None])[:, 0]
     assert torch.allclose(out.logprobs, want, atol=0, rtol=0)
     assert out.token_ids.dtype == torch.int64 and out.logprobs.dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_to_lists_equals_tolist_of_each(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    token_ids = torch.tensor([0, 7, 129279, 2**40], device=device)
+    logprobs = torch.tensor(
+        [-0.1, float("-inf"), -1e-30, float("nan")], dtype=torch.float32, device=device
+    )
+    ids, values = SampleOutput(token_ids, logprobs).to_lists()
+    assert ids == token_ids.tolist() and all(type(i) is int for i in ids)
+    want = logprobs.tolist()
+    assert values[:3] == want[:3] and math.isnan(values[3]) and math.isnan(want[3])
+    assert all(type(v) is float for v in values)
+    assert SampleOutput(token_ids[:0], logprobs[:0]).to_lists() == ([], [])
 
 
 def test_temperature_one_follows_softmax() -> None:

@@ -254,6 +254,19 @@ def test_preemption_frees_the_youngest_and_recomputes_it() -> None:
     assert scheduler.pages.num_free == 4
 
 
+def test_running_sequences_take_a_page_only_when_they_cross_into_it() -> None:
+    scheduler, _, _ = make_scheduler(page_size=4)
+    short, long = seq(None, prompt_len=3, max_new=12), seq(None, prompt_len=9, max_new=12)
+    for s in (short, long):
+        scheduler.add(s)
+    for _ in range(11):
+        out = scheduler.schedule()
+        for s in out.scheduled:
+            assert len(s.seq.pages) == -(-(s.seq.num_computed + s.query_len) // 4)
+        assert scheduler.pages.num_free == 64 - len(short.pages) - len(long.pages)
+        complete(scheduler, out)
+
+
 def test_failed_download_fails_its_waiters_only() -> None:
     scheduler, _, _ = make_scheduler()
     lost = [seq("missing-1"), seq("missing-1")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,3 +90,64 @@ def test_rejects_bad_input() -> None:
         build_lora_segments([2], [1, 1], out=segs)
     with pytest.raises(ValueError, match="max_seg_len"):
         LoraSegmentsConfig(max_tokens=4, num_slots=1, max_seg_len=24)
+
+
+def _torch_reference(slots: list[int], capacity: int, max_seg_len: int) -> list[list[int]]:
+    """The builder's fields (seg_indptr, seg_slot, token_slot, num_segments) as the torch
+    implementation it replaced computed them."""
+    token_slots = torch.tensor(slots, dtype=torch.int32)
+    starts = torch.zeros(0, dtype=torch.int64)
+    if slots:
+        changed = torch.ones(len(slots), dtype=torch.bool)
+        changed[1:] = token_slots[1:] != token_slots[:-1]
+        run_starts = torch.nonzero(changed).flatten()
+        run_of_token = torch.cumsum(changed.to(torch.int64), 0) - 1
+        pos_in_run = torch.arange(len(slots)) - run_starts[run_of_token]
+        starts = torch.nonzero(pos_in_run % max_seg_len == 0).flatten()
+    seg_indptr = torch.full((capacity + 1,), len(slots), dtype=torch.int32)
+    seg_indptr[: starts.numel()] = starts
+    seg_slot = torch.full((capacity,), -1, dtype=torch.int32)
+    seg_slot[: starts.numel()] = token_slots[starts]
+    token_slot = torch.full((capacity,), -1, dtype=torch.int32)
+    token_slot[: len(slots)] = token_slots
+    return [seg_indptr.tolist(), seg_slot.tolist(), token_slot.tolist(), [starts.numel()]]
+
+
+def _random_slots(gen: torch.Generator, num_tokens: int, num_slots: int) -> list[int]:
+    """Runs of random slots (-1 included), some longer than a segment."""
+    slots: list[int] = []
+    while len(slots) < num_tokens:
+        slot = int(torch.randint(-1, num_slots, (1,), generator=gen))
+        slots += [slot] * int(torch.randint(1, 40, (1,), generator=gen))
+    return slots[:num_tokens]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_numpy_builder_equals_the_torch_reference(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    max_seg_len = (16, 32)[seed % 2]
+    capacity = 96
+    num_tokens = (0, 1, 7, 64, capacity)[seed % 5]
+    slots = _random_slots(gen, num_tokens, 4)
+    if seed % 7 == 3:
+        slots = [-1] * num_tokens
+    ranks = torch.tensor([3, 0, 16, 9], dtype=torch.int32)
+    config = LoraSegmentsConfig(max_tokens=capacity, num_slots=4, max_seg_len=max_seg_len)
+    padded = allocate_lora_segments(config, "cpu")
+    build_lora_segments(_random_slots(gen, capacity, 4), ranks, out=padded)  # stale contents
+    exact = build_lora_segments(slots, ranks, max_seg_len=max_seg_len)
+    for segs, cap in ((build_lora_segments(slots, ranks, out=padded), capacity), (exact, None)):
+        want = _torch_reference(slots, cap or max(num_tokens, 1), max_seg_len)
+        fields = (segs.seg_indptr, segs.seg_slot, segs.token_slot, segs.num_segments)
+        assert [f.tolist() for f in fields] == want
+        assert all(f.dtype == torch.int32 and f.device.type == "cpu" for f in fields)
+        assert segs.slot_rank.tolist() == ranks.tolist() and segs.slot_rank.dtype == torch.int32
+        assert (segs.num_tokens, segs.num_live_segments) == (num_tokens, want[3][0])
+        assert type(segs.num_tokens) is int and type(segs.num_live_segments) is int
+
+
+def test_token_slots_may_be_a_tensor_or_an_array() -> None:
+    want = build_lora_segments([2, 2, 0, -1], [4, 0, 8])
+    for given in (torch.tensor([2, 2, 0, -1]), np.array([2, 2, 0, -1], dtype=np.int32)):
+        got = build_lora_segments(given, [4, 0, 8])
+        assert torch.equal(got.packed, want.packed) and got.num_live_segments == 3

@@ -8,6 +8,7 @@ import torch
 from adapter_store.format import model_lora_shapes
 from inference_svc.engine.batch import SequenceStep, build_batch, prefill_groups
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
+from inference_svc.lora.batch import build_lora_batch
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.model.config import parse_config
 from inference_svc.model.loader import build_model
@@ -88,6 +89,17 @@ def test_decode_only_step_shares_its_segments():
     lora = build_batch([_step(1, 0), _step(1, 0), _step(1, 2)], 4, "cpu", RANKS).lora
     assert lora.decode_tokens is lora.tokens
     assert _live(lora.tokens) == [(0, 2, 0), (2, 3, 2)]
+
+
+@pytest.mark.parametrize(
+    "query_lens,num_decodes", [((1, 1, 1, 1), 4), ((1, 1, 3, 2), 2), ((4, 5, 2, 3), 0)]
+)
+def test_token_slots_repeat_each_sequence_slot_over_its_tokens(query_lens, num_decodes):
+    seq_slots = (2, -1, 0, 2)
+    lora = build_lora_batch(seq_slots, query_lens, num_decodes, RANKS, "cpu")
+    want = tuple(slot for slot, n in zip(seq_slots, query_lens, strict=True) for _ in range(n))
+    assert lora.token_slots == want and all(type(slot) is int for slot in lora.token_slots)
+    assert lora.tokens.token_slot[: len(want)].tolist() == list(want)
 
 
 def test_decodes_on_the_base_model_get_no_decode_segments():
