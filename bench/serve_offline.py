@@ -196,14 +196,14 @@ class StepWindows:
         """engine.step(), profiled when step `index` lies in a window."""
         starts = (PROFILE_PREFILL_FROM, PROFILE_DECODE_FROM) if self.steps else ()
         if index in starts and self._open is None:
-            self._open = (index, StepProfile(self.device).__enter__(), set())
+            self._open = (index, StepProfile(self.device).start(), set())
         if self._open is None:
             return engine.step()
         first, recorder, kinds = self._open
         tokens = engine.step()
         kinds.add("decode" if tokens <= self.max_num_seqs else "prefill")
         if index + 1 - first == self.steps or not engine.has_work():
-            recorder.__exit__(None, None, None)
+            recorder.stop()
             label = "+".join(sorted(kinds))
             self._done[label] = {"steps": index + 1 - first, **recorder.summary(index + 1 - first)}
             self._open = None

@@ -75,18 +75,24 @@ class StepProfile:
         self._profile = profile(activities=activities)
         self._wall_s = 0.0
 
-    def __enter__(self) -> StepProfile:
+    def start(self) -> StepProfile:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self._profile.__enter__()
+        self._profile.start()
         self._began = time.perf_counter()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self._wall_s = time.perf_counter() - self._began
-        self._profile.__exit__(*exc)
+        self._profile.stop()
+
+    def __enter__(self) -> StepProfile:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def summary(self, steps: int) -> dict:
         on_cuda = self.device.type == "cuda"

@@ -27,6 +27,24 @@ def test_serve_offline_smoke(tmp_path: Path) -> None:
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_serve_offline_profile_windows(tmp_path: Path) -> None:
+    out = tmp_path / "serve_offline_profile.json"
+    serve_offline.main(["--out", str(out), "--smoke", "--profile-steps", "2"])
+    rows = {row["scenario"]: row for row in json.loads(out.read_text())["rows"]}
+    windows = {label: row["profile"] for label, row in rows.items()}
+    for label, profile in windows.items():
+        assert profile, label  # the smoke runs reach the first window (step 4) only
+        for window in profile.values():
+            assert window["steps"] == 2 and window["wall_us_per_step"] > 0
+            assert window["launches_per_step"] > 0 and window["classes"]
+    # On the CPU the records are top-level aten ops: the LoRA steps issue more of them.
+    launches = {
+        label: max(w["launches_per_step"] for w in profile.values())
+        for label, profile in windows.items()
+    }
+    assert launches["N=8 zipf"] > launches["no LoRA"]
+
+
 def test_serve_online_smoke(tmp_path: Path) -> None:
     out = tmp_path / "serve_online.json"
     serve_online.main(["--out", str(out), "--smoke"])
