@@ -163,7 +163,7 @@ def run_scenario(
         "output_tokens_per_s": generated / seconds,
         "total_tokens_per_s": (generated + requests * config.prompt_len) / seconds,
         "steps": steps,
-        "kernels_compiled": triton_cache_entries() - compiled_before,
+        "kernels_compiled": len(triton_cache_entries() - compiled_before),
         "decode_steps": kinds["decode"][0],
         "decode_step_seconds": kinds["decode"][1],
         "prefill_steps": kinds["prefill"][0],
@@ -213,22 +213,27 @@ class StepWindows:
         return self._done
 
 
-def triton_cache_entries() -> int:
-    """Kernels in Triton's on-disk cache: a scenario that adds some compiled them while timed."""
-    return len(triton_cache_kernels())
+def triton_cache_entries() -> set[str]:
+    """Entry folders of Triton's on-disk cache (one per compiled kernel variant): a
+    scenario that adds some compiled them while timed."""
+    folder = _triton_cache_folder()
+    return {entry.name for entry in folder.iterdir()} if folder.is_dir() else set()
 
 
-def triton_cache_kernels() -> dict[str, str]:
-    """Triton's on-disk cache: entry folder → the kernel compiled into it (its name, from
-    the entry's metadata file), so a stall can be traced to the kernel it compiled."""
-    folder = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    if not folder.is_dir():
-        return {}
-    kernels = {}
-    for entry in folder.iterdir():
-        names = [p.stem for p in entry.glob("*.json") if not p.name.startswith("__grp__")]
-        kernels[entry.name] = names[0] if names else "?"
-    return kernels
+def compiled_kernel_names(entries: set[str]) -> list[str]:
+    """The kernels compiled into cache `entries` (from each entry's metadata file), so a
+    stall can be traced to the kernel it compiled."""
+    folder = _triton_cache_folder()
+    names = []
+    for entry in entries:
+        metadata = (folder / entry).glob("*.json")
+        found = [path.stem for path in metadata if not path.name.startswith("__grp__")]
+        names.append(found[0] if found else "?")
+    return sorted(names)
+
+
+def _triton_cache_folder() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from bench.gpu_timing import device_name
-from bench.serve_offline import triton_cache_kernels, warm_up
+from bench.serve_offline import compiled_kernel_names, triton_cache_entries, warm_up
 from bench.serve_setup import (
     AdapterLibrary,
     ServeBenchConfig,
@@ -111,7 +111,7 @@ class StepTimeline:
         self._step = engine.step
         self.steps: list[tuple[float, int, float]] = []  # (start, tokens, seconds)
         self.slow: list[dict[str, Any]] = []
-        self._compiled = triton_cache_kernels()
+        self._compiled = triton_cache_entries()
         engine.step = self._timed_step  # type: ignore[method-assign]
 
     def _timed_step(self) -> int:
@@ -120,8 +120,8 @@ class StepTimeline:
         seconds = time.monotonic() - began
         self.steps.append((began, tokens, seconds))
         if seconds >= SLOW_STEP_S:
-            compiled = triton_cache_kernels()
-            new = sorted(name for entry, name in compiled.items() if entry not in self._compiled)
+            compiled = triton_cache_entries()
+            new = compiled_kernel_names(compiled - self._compiled)  # reads new entries only
             self.slow.append(
                 {"tokens": tokens, "seconds": seconds, "compiled": len(new), "kernels": new}
             )

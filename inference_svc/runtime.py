@@ -166,12 +166,12 @@ def assemble_engine(
     if config.device == "cuda" and config.warm_up:
         warm_up_prefill(runner, step_tokens, max_model_len, config.max_num_seqs)
     # Packing at insert makes a slot load a few large copies instead of one per tensor.
-    arena_gb = config.host_cache_gb if config.host_arena_gb is None else config.host_arena_gb
+    arena_gb = config.host_arena_gb  # None: the arena is the whole cache
     host_cache = HostAdapterCache(
         HostCacheConfig(
             capacity_bytes=int(config.host_cache_gb * GIB),
             dtype=config.torch_dtype,
-            arena_bytes=int(arena_gb * GIB),
+            arena_bytes=None if arena_gb is None else int(arena_gb * GIB),
         ),
         pool.packing,
     )

@@ -94,8 +94,7 @@ def fp8_block_linear_ref(
     return (x.float() @ block_dequant_ref(w, scale, block).T).to(x.dtype)
 
 
-# Per-step counts unspecialised: Triton would compile a variant per 1 / multiple-of-16 / other
-# class of each (a multi-second stall mid-serving), and they only bound masks and loops.
+# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
 @triton.jit(do_not_specialize=["M"])
 def _fp8_block_gemm_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,

@@ -100,8 +100,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoE
     )
 
 
-# Per-step counts unspecialised: Triton would compile a variant per 1 / multiple-of-16 / other
-# class of each (a multi-second stall mid-serving), and they only bound masks and loops.
+# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
 @triton.jit(do_not_specialize=["num_pairs", "total", "num_tiles"])
 def _moe_align_kernel(
     ids_ptr, sorted_ids_ptr, block_experts_ptr, offsets_ptr, counts_ptr, starts_ptr,
@@ -261,8 +260,7 @@ def grouped_gemm_ref(
     return out
 
 
-# Per-step counts unspecialised: Triton would compile a variant per 1 / multiple-of-16 / other
-# class of each (a multi-second stall mid-serving), and they only bound masks and loops.
+# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,

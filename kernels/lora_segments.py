@@ -223,11 +223,7 @@ def _packed_len(config: LoraSegmentsConfig) -> int:
 
 def _split(packed: np.ndarray, config: LoraSegmentsConfig) -> list[np.ndarray]:
     """The fields of a host packed buffer as numpy views (what `_views` is to tensors)."""
-    fields, start = [], 0
-    for length in _field_lens(config):
-        fields.append(packed[start : start + length])
-        start += length
-    return fields
+    return np.split(packed, np.cumsum(_field_lens(config))[:-1])
 
 
 def _views(packed: Tensor, config: LoraSegmentsConfig, slot_rank: Tensor) -> LoraSegments:

@@ -116,8 +116,7 @@ def _mla_decode_kernel(
     tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
 
 
-# Per-step counts unspecialised: Triton would compile a variant per 1 / multiple-of-16 / other
-# class of each (a multi-second stall mid-serving), and they only bound masks and loops.
+# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
 @triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_merge_kernel(
     o_part_ptr, lse_part_ptr, out_ptr,

@@ -45,8 +45,7 @@ MAX_SPLITS = 64
 PARTIAL_BYTES_PER_SEQUENCE = 2 << 20
 
 
-# Per-step counts unspecialised: Triton would compile a variant per 1 / multiple-of-16 / other
-# class of each (a multi-second stall mid-serving), and they only bound masks and loops.
+# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
 @triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_v3_kernel(
     q_lat_ptr, q_rope_ptr, kv_ptr, page_table_ptr, ctx_ptr, out_ptr, o_part_ptr, lse_part_ptr,

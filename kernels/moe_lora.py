@@ -73,8 +73,7 @@ def _first_pending_key(offs, key, done, BLOCK_P: tl.constexpr):
     return tl.sum(tl.where(offs == first, key, 0))
 
 
-# Per-step counts unspecialised: Triton would compile a variant per 1 / multiple-of-16 / other
-# class of each (a multi-second stall mid-serving), and they only bound masks and loops.
+# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
 @triton.jit(do_not_specialize=["P", "order_len"])
 def _moe_lora_shrink_kernel(
     x_ptr,
@@ -156,8 +155,7 @@ def _moe_lora_shrink_kernel(
         done = done | sel
 
 
-# Per-step counts unspecialised: Triton would compile a variant per 1 / multiple-of-16 / other
-# class of each (a multi-second stall mid-serving), and they only bound masks and loops.
+# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
 @triton.jit(do_not_specialize=["P", "order_len"])
 def _moe_lora_expand_kernel(
     y_ptr,

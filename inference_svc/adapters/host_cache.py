@@ -196,15 +196,29 @@ class HostAdapterCache:
                 f"of {capacity} bytes"
             )
         while self._bytes + size > capacity:
-            victim = next((k for k, e in self._entries.items() if e.in_use == 0), None)
-            if victim is None:
+            if not self._evict_lru(in_arena=False):
                 in_use = sum(e.size_bytes for e in self._entries.values())
                 raise ResourceExhausted(
                     f"host adapter cache full: adapter {key!r} needs {size} bytes, "
                     f"{in_use} of {capacity} bytes are being copied to the GPU"
                 )
-            self._remove(victim)
-            self._evictions += 1
+
+    def _evict_lru(self, in_arena: bool) -> bool:
+        """Evict the least recently used entry not in use (only one holding an arena block
+        when `in_arena`); False when there is none."""
+        victim = next(
+            (
+                k
+                for k, e in self._entries.items()
+                if e.in_use == 0 and (e.block is not None or not in_arena)
+            ),
+            None,
+        )
+        if victim is None:
+            return False
+        self._remove(victim)
+        self._evictions += 1
+        return True
 
     def _remove(self, key: HostKey) -> None:
         entry = self._entries.pop(key)
@@ -221,18 +235,13 @@ class HostAdapterCache:
         assert self.arena is not None
         with self._lock:
             while (block := self.arena.allocate(nbytes)) is None:
-                victim = next(
-                    (k for k, e in self._entries.items() if e.in_use == 0 and e.block), None
-                )
-                if victim is None:
+                if not self._evict_lru(in_arena=True):
                     raise ResourceExhausted(
                         f"pinned host arena full: adapter {key!r} needs {nbytes} bytes, the "
                         f"longest free range of the {self.arena.capacity_bytes}-byte arena is "
                         f"{self.arena.largest_free_bytes} bytes and the rest is held by "
                         f"adapters being copied to the GPU"
                     )
-                self._remove(victim)
-                self._evictions += 1
             return block
 
     def _already_packed(self, adapter: CanonicalAdapter) -> bool:
