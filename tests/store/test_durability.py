@@ -260,3 +260,33 @@ def test_store_killed_mid_upload_leaves_nothing_visible(
             assert hashlib.sha256(weights).hexdigest() == adapter.sha256
     finally:
         process.stop(kill=True)
+
+
+def test_upload_refused_when_its_version_was_refused_even_if_reindex_then_finished(
+    manual_store, redis_server, peft_dirs, tiny_config_json, monkeypatch
+) -> None:
+    """The Redis-kill reliability run published `n4@None`: the version was refused while
+    the index was rebuilt, and the reindex finished before the upload asked again. The
+    interleaving is injected here: allocate_version (real Redis, index not ready) returns
+    None, then the index is marked ready."""
+    metadata = manual_store.metadata
+    allocate = metadata.allocate_version
+
+    async def refused_then_ready(tenant: str, name: str) -> int | None:
+        version = await allocate(tenant, name)
+        await metadata.mark_index_ready("reindex finished meanwhile (test)")
+        return version
+
+    with grpc.insecure_channel(manual_store.address) as channel:
+        stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+        stub.RegisterBaseModel(
+            pb.RegisterBaseModelRequest(name=BASE_MODEL, config_json=tiny_config_json)
+        )
+        redis_server.flushall()  # the index no longer mirrors S3: versions are refused
+        monkeypatch.setattr(metadata, "allocate_version", refused_then_ready)
+        code, details = _code(
+            lambda: stub.UploadAdapter(upload_requests(peft_dirs[0], "a"), timeout=60)
+        )
+        assert code == grpc.StatusCode.UNAVAILABLE and "reindex" in details, details
+        monkeypatch.undo()
+        assert _listed(stub) == []  # nothing half-stored, nothing of version None
