@@ -67,11 +67,12 @@ def _no_side_stream(device: torch.device) -> None:
     return None
 
 
-# Kernel sets: name in inference_svc.lora.apply -> what it is replaced with.
+# Kernel sets: name in inference_svc.lora.apply -> what it is replaced with (a launcher,
+# or a setting such as MOE_LORA_IN_GEMM).
 # v1: the MoE LoRA "runs" kernels, every LoRA kernel on the step's stream; serial: today's
 # kernels, every LoRA kernel on the step's stream; new: the defaults (linear modules'
 # shrinks on the side stream, beside the base matmuls).
-KERNEL_SETS: dict[str, dict[str, Callable[..., Any]]] = {
+KERNEL_SETS: dict[str, dict[str, Any]] = {
     "v1": {
         "moe_lora_gate_up": functools.partial(moe_lora_gate_up, variant="runs"),
         "moe_lora_down": functools.partial(moe_lora_down, variant="runs"),
@@ -85,6 +86,10 @@ KERNEL_SETS: dict[str, dict[str, Callable[..., Any]]] = {
         "moe_lora_gate_up": functools.partial(moe_lora_gate_up, variant="runs"),
         "moe_lora_down": functools.partial(moe_lora_down, variant="runs"),
     },
+    # The routed experts' LoRA expand always after the grouped GEMM (the defaults before the
+    # GEMM epilogue: "pairs" at decode, "runs" at prefill), or always in its epilogue.
+    "moe_after": {"MOE_LORA_IN_GEMM": "never"},
+    "moe_in_gemm": {"MOE_LORA_IN_GEMM": "always"},
 }
 
 

@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
                 "model": model_label(config),
                 "experts": config.experts,
                 "adapter_modules": adapters_label(config),
+                "moe_lora_in_gemm": config.moe_lora_in_gemm,
                 "layers": config.layers,
                 "full_model": config.layers == 27,
                 "dtype": config.dtype,

@@ -42,6 +42,7 @@ from inference_svc.engine.sequence import (
     OutputSink,
     Sequence,
 )
+from inference_svc.lora import apply
 from inference_svc.lora.packing import SlotPacking
 from inference_svc.lora.pool import GIB
 from inference_svc.metrics import InferenceMetrics
@@ -96,6 +97,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="all",
         help="modules the adapters target: all, or all but the routed experts",
     )
+    parser.add_argument(
+        "--moe-lora-in-gemm",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="where the routed experts' LoRA expand runs (inference_svc.lora.apply."
+        "MOE_LORA_IN_GEMM): auto, or always / never in the grouped GEMM's epilogue (A/B)",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, short runs")
 
 
@@ -114,6 +122,7 @@ class ServeBenchConfig:
     distinct_weights: int = 2  # distinct adapter weight sets behind all adapter names
     experts: str = "bf16"  # routed experts' weights: bf16 or fp8 (block-quantized)
     adapter_modules: str = "all"  # a key of ADAPTER_MODULES
+    moe_lora_in_gemm: str = "auto"  # inference_svc.lora.apply.MOE_LORA_IN_GEMM
     smoke: bool = False
 
     def __post_init__(self) -> None:
@@ -145,6 +154,7 @@ class ServeBenchConfig:
                 max_batch_tokens=args.max_batch_tokens,
                 experts=args.experts,
                 adapter_modules=args.adapter_modules,
+                moe_lora_in_gemm=args.moe_lora_in_gemm,
             )
         return cls(
             layers=2,
@@ -156,6 +166,7 @@ class ServeBenchConfig:
             max_loras=smoke_max_loras,
             experts=args.experts,
             adapter_modules=args.adapter_modules,
+            moe_lora_in_gemm=args.moe_lora_in_gemm,
             smoke=True,
         )
 
@@ -217,6 +228,7 @@ def build_engine(
     model: DeepseekV3Model, config: ServeBenchConfig, library: AdapterLibrary
 ) -> LLMEngine:
     """The serving engine (pool of rank `config.rank`, decode graphs captured on CUDA)."""
+    apply.MOE_LORA_IN_GEMM = config.moe_lora_in_gemm  # process-wide: one engine per bench
     runtime_config = RuntimeConfig(
         model="random",
         base_model_name=BASE_MODEL,

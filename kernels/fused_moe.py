@@ -28,6 +28,8 @@ from kernels.int_quant import (
     per_token_quant_int8,
     per_token_quant_int8_ref,
 )
+from kernels.moe_lora import MoeLoraEpilogue, add_pair_lora
+from kernels.sgmv import dot_precision, rank_block
 
 # How grouped_gemm reads a weight (`scheme=`; None picks "float" / "block" by w_scale):
 #   float:      w in a float dtype, no scale.
@@ -231,8 +233,10 @@ def grouped_gemm_ref(
     w_scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
     scheme: str | None = None,
+    lora: MoeLoraEpilogue | None = None,
 ) -> torch.Tensor:
-    """Semantics: out[p] = a[p // rows_per_a] @ W[expert(p)]ᵀ for every real pair p.
+    """Semantics: out[p] = a[p // rows_per_a] @ W[expert(p)]ᵀ (+ lora's term) for every
+    real pair p, rounded once to a's dtype.
 
     Under "w8a8" `a` is first rounded per row to int8 (`per_token_quant_int8_ref`), as
     the kernel does; W is dequantized per `scheme` (see WEIGHT_SCHEMES).
@@ -250,13 +254,18 @@ def grouped_gemm_ref(
         a_q, a_scale = per_token_quant_int8_ref(a)
         a_float = a_q.float() * a_scale[:, None]
     out = torch.zeros((align.num_pairs, w.shape[1]), dtype=a.dtype, device=a.device)
+    if lora is not None:
+        lora.check(align.num_pairs, w.shape[1])
     offsets, counts = align.expert_offsets.tolist(), align.expert_counts.tolist()
     for e, count in enumerate(counts):
         if count == 0:
             continue
         pairs = align.sorted_pair_ids[offsets[e] : offsets[e] + count].long()
         weight = _dequant_expert(w, w_scale, block, scheme, e, k)  # [N, K]
-        out[pairs] = (a_float[pairs // rows_per_a] @ weight.T).to(a.dtype)
+        tile = a_float[pairs // rows_per_a] @ weight.T  # [n, N] float32
+        if lora is not None:
+            tile += lora.delta_ref(pairs, e)
+        out[pairs] = tile.to(a.dtype)
     return out
 
 
@@ -266,10 +275,14 @@ def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
     N, K, num_pairs, rows_per_a,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    ly_ptr, lb_ptr, l_pair_token_ptr, l_token_slot_ptr, l_slot_rank_ptr, LORA_R, LORA_B_EXPERTS,
+    stride_ly, stride_lbs, stride_lbe, stride_lbn,
     BN: tl.constexpr, BK: tl.constexpr, SCHEME: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LORA_SLICES: tl.constexpr, LORA_BLOCK_R: tl.constexpr, LORA_DOT: tl.constexpr,
 ):  # fmt: skip
     # SCHEME: 0 float, 1 block-scaled, 2 w8a8, 3 int4_group (WEIGHT_SCHEMES).
+    # LORA_SLICES > 0: add the MoeLoraEpilogue (l*/L* arguments) to the tile before rounding.
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
@@ -317,6 +330,13 @@ def _grouped_gemm_kernel(
         result = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
     else:
         result = acc
+    if LORA_SLICES > 0:
+        result = add_pair_lora(
+            result, pair, real, expert, pid_n * BLOCK_N,
+            ly_ptr, lb_ptr, l_pair_token_ptr, l_token_slot_ptr, l_slot_rank_ptr,
+            N, LORA_R, LORA_B_EXPERTS, stride_ly, stride_lbs, stride_lbe, stride_lbn,
+            LORA_SLICES, BLOCK_M, BLOCK_N, LORA_BLOCK_R, LORA_DOT,
+        )  # fmt: skip
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :],
         result.to(out_ptr.dtype.element_ty),
@@ -367,6 +387,7 @@ def grouped_gemm(
     block: tuple[int, int] | None = None,
     scheme: str | None = None,
     tiles: GemmTiles | None = None,
+    lora: MoeLoraEpilogue | None = None,
 ) -> torch.Tensor:
     """Triton version of `grouped_gemm_ref` (same arguments and result).
 
@@ -407,11 +428,30 @@ def grouped_gemm(
         scale.stride(0) if w_scale is not None else 0,
         scale.stride(1) if w_scale is not None else 0,
         out.stride(0),
+        *_lora_arguments(lora, out, align.num_pairs, n),
         BN=bn, BK=bk, SCHEME=WEIGHT_SCHEMES[scheme],
         BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        LORA_SLICES=lora.num_slices if lora is not None else 0,
+        LORA_BLOCK_R=rank_block(lora.b.shape[3]) if lora is not None else 16,
+        LORA_DOT=dot_precision(lora.b.dtype if lora is not None else a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out
+
+
+def _lora_arguments(
+    lora: MoeLoraEpilogue | None, out: torch.Tensor, num_pairs: int, n: int
+) -> tuple:
+    """The kernel's l*/L* arguments: the epilogue's tensors and strides, or placeholders
+    (never read: LORA_SLICES 0) without one."""
+    if lora is None:
+        return (out, out, out, out, out, 0, 1, 0, 0, 0, 0)
+    lora.check(num_pairs, n)
+    b = lora.b
+    return (
+        lora.y, b, lora.pair_token, lora.token_slot, lora.slot_rank, b.shape[3], b.shape[1],
+        lora.y.stride(0), b.stride(0), b.stride(1), b.stride(2),
+    )  # fmt: skip
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:

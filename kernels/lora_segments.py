@@ -61,6 +61,8 @@ class LoraSegments:
     num_segments: Tensor  # int32 [1], live segment count on the device
     num_tokens: int  # host copy: live tokens
     num_live_segments: int  # host copy: live segments
+    num_lora_tokens: int  # host copy: live tokens with a slot
+    num_slot_runs: int  # host copy: runs of consecutive equal slots (-1 runs not counted)
     max_seg_len: int
     # Backing storage of the four per-step fields above, so the builder makes one copy.
     packed: Tensor = field(repr=False)
@@ -178,6 +180,9 @@ def build_lora_segments(
         out.slot_rank.copy_(torch.tensor(list(slot_rank), dtype=torch.int32), non_blocking=True)
     out.num_tokens = slots.size
     out.num_live_segments = seg_starts.size
+    out.num_lora_tokens = int(np.count_nonzero(slots >= 0))
+    run_starts = np.flatnonzero(np.diff(slots, prepend=NO_SLOT - 1))  # first token of each run
+    out.num_slot_runs = int(np.count_nonzero(slots[run_starts] >= 0))
     return out
 
 
@@ -236,6 +241,8 @@ def _views(packed: Tensor, config: LoraSegmentsConfig, slot_rank: Tensor) -> Lor
         num_segments=num_segments,
         num_tokens=0,
         num_live_segments=0,
+        num_lora_tokens=0,
+        num_slot_runs=0,
         max_seg_len=config.max_seg_len,
         packed=packed,
     )

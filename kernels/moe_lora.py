@@ -28,6 +28,8 @@ Shapes: P pairs, E experts, S slices, R pool rank, K input features, N output pe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -313,6 +315,184 @@ def _moe_lora_pair_kernel(
             tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(prev.dtype), mask=mask_n)
 
 
+@dataclass(frozen=True)
+class MoeLoraEpilogue:
+    """The routed experts' LoRA expand as the grouped GEMM adds it to its float32 tile:
+
+        out[p, slice i cols] += y[p, i·R : i·R+rank] · B[slot, eB, slice i cols, :rank]ᵀ
+
+    slot = token_slot[pair_token[p]] (-1: nothing added), rank = slot_rank[slot], eB = the
+    pair's expert (0 when B's expert dim is 1: shared outer); y is fed to the MMA in B's
+    dtype, as the "runs" expand does. Built by `moe_lora_epilogue` (which runs the shrink).
+
+    y: [P, S·R] float32; b: [slots, E or 1, S·N, R] contiguous in R; pair_token: int32 [P]
+    (-1 padding); token_slot: int32 [T]; slot_rank: int32 [slots].
+    """
+
+    y: Tensor
+    b: Tensor
+    pair_token: Tensor
+    token_slot: Tensor
+    slot_rank: Tensor
+
+    @property
+    def num_slices(self) -> int:
+        return self.y.shape[1] // self.b.shape[3]
+
+    def check(self, num_pairs: int, out_cols: int) -> None:
+        """Raise unless this epilogue fits a GEMM output [num_pairs, out_cols]."""
+        pool_rank = self.b.shape[3]
+        if (
+            self.y.dtype != torch.float32
+            or self.y.shape[0] != num_pairs
+            or self.y.shape[1] % pool_rank
+            or self.b.dim() != 4
+            or self.b.shape[2] != out_cols
+            or out_cols % self.num_slices
+            or self.b.stride(-1) != 1
+            or self.pair_token.shape != (num_pairs,)
+        ):
+            raise ValueError(
+                f"LoRA epilogue y {tuple(self.y.shape)} {self.y.dtype}, b {tuple(self.b.shape)}, "
+                f"pair_token {tuple(self.pair_token.shape)} do not fit the GEMM output "
+                f"[{num_pairs}, {out_cols}]"
+            )
+
+    def delta_ref(self, pairs: Tensor, expert: int) -> Tensor:
+        """[len(pairs), S·N] float32: the term the GEMM adds to `pairs`, all of `expert`."""
+        pool_rank = self.b.shape[3]
+        slices = self.num_slices
+        width = self.b.shape[2] // slices
+        token = self.pair_token[pairs].long()
+        slot = torch.where(token >= 0, self.token_slot[token.clamp(min=0)].long(), -1)
+        keep = live_rank_columns(self.slot_rank, slot, pool_rank)  # [n, R]
+        b = self.b[slot.clamp(min=0), expert if self.b.shape[1] > 1 else 0]  # [n, S·N, R]
+        b = torch.where(keep[:, None, :], b, 0).float()
+        y = self.y[pairs].to(self.b.dtype).float()  # [n, S·R]
+        parts = [
+            torch.bmm(
+                b[:, i * width : (i + 1) * width], y[:, i * pool_rank : (i + 1) * pool_rank, None]
+            ).squeeze(2)
+            for i in range(slices)
+        ]
+        return torch.cat(parts, dim=1)
+
+
+@triton.jit
+def add_pair_lora(
+    acc,
+    pair,
+    real,
+    expert,
+    n_start,
+    y_ptr,
+    b_ptr,
+    pair_token_ptr,
+    token_slot_ptr,
+    slot_rank_ptr,
+    N,
+    R,
+    B_EXPERTS,
+    stride_yp,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """acc [m, n] (float32 tile of `expert`, rows `pair` where `real`, columns
+    n_start + [0, BLOCK_N)) plus the `MoeLoraEpilogue` term. Rows come in token order
+    within an expert and the scheduler orders tokens by slot, so a tile holds a few slots:
+    one masked MMA per slot and slice, against B rows the tile reads once."""
+    tok = tl.load(pair_token_ptr + pair, mask=real, other=-1)
+    slot = tl.load(token_slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)  # [m]
+    offs = tl.arange(0, BLOCK_M)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    width = N // SLICES
+    b_expert = tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64)
+    done = slot < 0
+    while tl.min(done.to(tl.int32)) == 0:
+        run_slot = _first_pending_key(offs, slot, done, BLOCK_M)
+        sel = slot == run_slot
+        rank = tl.load(slot_rank_ptr + run_slot)
+        b_key = b_ptr + run_slot.to(tl.int64) * stride_bs + b_expert * stride_be
+        for i in tl.static_range(SLICES):
+            # Only the slices this column tile overlaps (a tile may straddle gate | up).
+            if (n_start < (i + 1) * width) & (n_start + BLOCK_N > i * width):
+                in_slice = (offs_n >= i * width) & (offs_n < (i + 1) * width)
+                for r0 in range(0, rank, BLOCK_R):
+                    offs_r = r0 + tl.arange(0, BLOCK_R)
+                    mask_r = offs_r < rank
+                    y = tl.load(
+                        y_ptr + pair[:, None].to(tl.int64) * stride_yp + (i * R + offs_r)[None, :],
+                        mask=sel[:, None] & mask_r[None, :],
+                        other=0.0,
+                    )  # [m, r]
+                    b = tl.load(
+                        b_key + offs_n[None, :] * stride_bn + offs_r[:, None],
+                        mask=in_slice[None, :] & mask_r[:, None],
+                        other=0.0,
+                    )  # [r, n]
+                    acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+        done = done | sel
+    return acc
+
+
+def moe_lora_epilogue(
+    x: Tensor,
+    A: Tensor,
+    B: Tensor,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+    *,
+    x_per_pair: bool,
+    pair_order: Tensor | None = None,
+) -> MoeLoraEpilogue:
+    """Run the shrink of `moe_lora_gate_up` (x per token) or `moe_lora_down` (x per pair)
+    and return the expand for the grouped GEMM's epilogue (`grouped_gemm(lora=)`).
+
+    Args as in `moe_lora_gate_up` / `moe_lora_down` (A, B the pool buffers, `x_per_pair`
+    True for down); pair_order: the walk order of the shrink (result unchanged).
+    """
+    num_slices = _check_shrink(x, A, B, pair_token, pair_expert, x_per_pair)
+    walk = _PairWalk.of(pair_token, pair_expert, segs, pair_order)
+    y = _shrink_runs(x, A, walk, x_per_pair, num_slices, B.shape[3])
+    return MoeLoraEpilogue(y, B, pair_token, segs.token_slot, segs.slot_rank)
+
+
+def moe_lora_epilogue_ref(
+    x: Tensor,
+    A: Tensor,
+    B: Tensor,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+    *,
+    x_per_pair: bool,
+    pair_order: Tensor | None = None,
+) -> MoeLoraEpilogue:
+    """Torch reference of `moe_lora_epilogue` (y in float32; pair_order is not read)."""
+    _check_shrink(x, A, B, pair_token, pair_expert, x_per_pair)
+    x_rows = x if x_per_pair else x[pair_token.clamp(min=0).long()]
+    y = _shrink_ref(x_rows, A, pair_token, pair_expert, segs, B.shape[3]).float().squeeze(2)
+    return MoeLoraEpilogue(y, B, pair_token, segs.token_slot, segs.slot_rank)
+
+
+def _check_shrink(
+    x: Tensor, A: Tensor, B: Tensor, pair_token: Tensor, pair_expert: Tensor, x_per_pair: bool
+) -> int:
+    """Validate the epilogue path's inputs; returns the slice count S."""
+    num_pairs = pair_token.shape[0]
+    out = torch.empty((num_pairs, B.shape[2]), device="meta")  # [P, S·N] shape only
+    if x_per_pair and x.shape[0] != num_pairs:
+        raise ValueError(f"x {tuple(x.shape)} must have one row per pair ({num_pairs})")
+    return _check_moe(x, out, A, B, pair_token, pair_expert)[0]
+
+
 def moe_lora_gate_up(
     x: Tensor,
     inter: Tensor,
@@ -406,26 +586,72 @@ def _moe_lora(
         target = programs_per_sm * num_sms(x.device)
         _moe_lora_pairs(x, out, A, B, pair_token, pair_expert, segs, x_per_pair, target)
         return out
+    walk = _PairWalk.of(pair_token, pair_expert, segs, pair_order)
+    y = _shrink_runs(x, A, walk, x_per_pair, num_slices, pool_rank)
+    block_n = 128 if slice_width >= 2048 else 64
+    _moe_lora_expand_kernel[(walk.blocks, num_slices * triton.cdiv(slice_width, block_n))](
+        y,
+        B,
+        out,
+        *walk.meta,
+        pool_rank,
+        slice_width,
+        B.shape[1],
+        *y.stride(),
+        *B.stride(),
+        *out.stride(),
+        ORDERED=walk.ordered,
+        BLOCK_P=BLOCK_P,
+        BLOCK_N=block_n,
+        BLOCK_R=rank_block(pool_rank),
+        DOT_PRECISION=dot_precision(B.dtype),
+    )
+    return out
+
+
+@dataclass(frozen=True)
+class _PairWalk:
+    """How the "runs" kernels walk the pairs: blocks of BLOCK_P ids, consecutive or taken
+    from the expert-sorted `pair_order` (ordered)."""
+
+    meta: tuple  # the kernels' pair arguments, pair_token .. order_len
+    ordered: bool
+    blocks: int
+
+    @staticmethod
+    def of(
+        pair_token: Tensor, pair_expert: Tensor, segs: LoraSegments, pair_order: Tensor | None
+    ) -> _PairWalk:
+        if pair_order is not None and (pair_order.dtype != torch.int32 or pair_order.dim() != 1):
+            raise ValueError(
+                f"pair_order must be 1-D int32, got {pair_order.dtype} {pair_order.dim()}-D"
+            )
+        num_pairs = pair_token.shape[0]
+        order = pair_order if pair_order is not None else pair_token  # unread unless ordered
+        order_len = order.shape[0] if pair_order is not None else num_pairs
+        meta = (
+            pair_token, pair_expert, segs.token_slot, segs.slot_rank, num_pairs, order, order_len
+        )  # fmt: skip
+        return _PairWalk(meta, pair_order is not None, triton.cdiv(order_len, BLOCK_P))
+
+
+def _shrink_runs(
+    x: Tensor, A: Tensor, walk: _PairWalk, x_per_pair: bool, num_slices: int, pool_rank: int
+) -> Tensor:
+    """y [P, S·R] float32 = per-pair shrink of every slice (zeros past each slot's rank)."""
+    num_pairs = walk.meta[4]
     y = torch.zeros(num_pairs, num_slices * pool_rank, dtype=torch.float32, device=x.device)
+    if num_pairs == 0:
+        return y
     k_dim = x.shape[1]
     block_r = rank_block(pool_rank)
-    if pair_order is not None and (pair_order.dtype != torch.int32 or pair_order.dim() != 1):
-        raise ValueError(
-            f"pair_order must be 1-D int32, got {pair_order.dtype} {pair_order.dim()}-D"
-        )
-    order = pair_order if pair_order is not None else pair_token  # unread unless ORDERED
-    order_len = order.shape[0] if pair_order is not None else num_pairs
-    pair_blocks = triton.cdiv(order_len, BLOCK_P)
     rank_programs = num_slices * triton.cdiv(pool_rank, block_r)
-    block_k, k_per_split, split_k = plan_split_k(k_dim, pair_blocks * rank_programs)
-    pair_meta = (
-        pair_token, pair_expert, segs.token_slot, segs.slot_rank, num_pairs, order, order_len
-    )  # fmt: skip
-    _moe_lora_shrink_kernel[(pair_blocks, rank_programs, split_k)](
+    block_k, k_per_split, split_k = plan_split_k(k_dim, walk.blocks * rank_programs)
+    _moe_lora_shrink_kernel[(walk.blocks, rank_programs, split_k)](
         x,
         A,
         y,
-        *pair_meta,
+        *walk.meta,
         k_dim,
         pool_rank,
         A.shape[1],
@@ -434,32 +660,14 @@ def _moe_lora(
         *A.stride(),
         *y.stride(),
         X_PER_PAIR=x_per_pair,
-        ORDERED=pair_order is not None,
+        ORDERED=walk.ordered,
         BLOCK_P=BLOCK_P,
         BLOCK_R=block_r,
         BLOCK_K=block_k,
         ATOMIC=split_k > 1,
         DOT_PRECISION=dot_precision(x.dtype),
     )
-    block_n = 128 if slice_width >= 2048 else 64
-    _moe_lora_expand_kernel[(pair_blocks, num_slices * triton.cdiv(slice_width, block_n))](
-        y,
-        B,
-        out,
-        *pair_meta,
-        pool_rank,
-        slice_width,
-        B.shape[1],
-        *y.stride(),
-        *B.stride(),
-        *out.stride(),
-        ORDERED=pair_order is not None,
-        BLOCK_P=BLOCK_P,
-        BLOCK_N=block_n,
-        BLOCK_R=block_r,
-        DOT_PRECISION=dot_precision(B.dtype),
-    )
-    return out
+    return y
 
 
 def _moe_lora_pairs(
@@ -549,17 +757,36 @@ def _moe_lora_ref(
     token = pair_token.long()
     slot = torch.where(token >= 0, segs.token_slot[token.clamp(min=0)].long(), -1)  # [P]
     keep = live_rank_columns(segs.slot_rank, slot, pool_rank)  # [P, R]
-    expert = pair_expert.long()
-    slot = slot.clamp(min=0)
-    a = A[slot, expert if A.shape[1] > 1 else 0]  # [P, S*R, K]
-    a = torch.where(keep.repeat(1, num_slices)[:, :, None], a, 0)
-    b = torch.where(keep[:, None, :], B[slot, expert if B.shape[1] > 1 else 0], 0)  # [P, S*N, R]
-    y = torch.bmm(a, x_rows.to(A.dtype).unsqueeze(2))  # [P, S*R, 1]
+    y = _shrink_ref(x_rows, A, pair_token, pair_expert, segs, pool_rank)  # [P, S*R, 1]
+    b = torch.where(keep[:, None, :], B[slot.clamp(min=0), _experts(B, pair_expert)], 0)
     for i in range(num_slices):
         b_i = b[:, i * slice_width : (i + 1) * slice_width]  # [P, N, R]
         delta = torch.bmm(b_i, y[:, i * pool_rank : (i + 1) * pool_rank]).squeeze(2)  # [P, N]
         out[:, i * slice_width : (i + 1) * slice_width] += delta.to(out.dtype)
     return out
+
+
+def _experts(w: Tensor, pair_expert: Tensor) -> Tensor | int:
+    """Index of each pair's expert in w's expert dim (0 for a shared-outer dim of 1)."""
+    return pair_expert.long() if w.shape[1] > 1 else 0
+
+
+def _shrink_ref(
+    x_rows: Tensor,
+    A: Tensor,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+    pool_rank: int,
+) -> Tensor:
+    """[P, S*R, 1] in A's dtype: A[slot, eA] · x_rows[p] over live rank rows, 0 elsewhere."""
+    num_slices = A.shape[2] // pool_rank
+    token = pair_token.long()
+    slot = torch.where(token >= 0, segs.token_slot[token.clamp(min=0)].long(), -1)  # [P]
+    keep = live_rank_columns(segs.slot_rank, slot, pool_rank)  # [P, R]
+    a = A[slot.clamp(min=0), _experts(A, pair_expert)]  # [P, S*R, K]
+    a = torch.where(keep.repeat(1, num_slices)[:, :, None], a, 0)
+    return torch.bmm(a, x_rows.to(A.dtype).unsqueeze(2))
 
 
 def _check_moe(

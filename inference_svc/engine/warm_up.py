@@ -21,13 +21,16 @@ class cold: the H100 online run then compiled in a step of 8 decodes beside a 51
 prompt). Combinations of several per-step counts (the MoE alignment's pairs, padded rows and
 tiles) cannot be enumerated by step shapes, so those kernels take their counts unspecialised
 (`do_not_specialize`; the H100 online run compiled `_moe_align_kernel` in a 520-token step
-after every shape above had run). LoRA rows use a slot whose rank is still 0 (the pool is
+after every shape above had run). Steps of more than PAIRS_MAX_PAIRS routed pairs run with
+LoRA twice, with the routed experts' expand in the grouped GEMM and after it (serving picks
+by how many adapters share the step). LoRA rows use a slot whose rank is still 0 (the pool is
 empty at start-up): the kernels run, compile and add nothing. The steps write KV rows into
 pages no sequence owns yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -36,6 +39,9 @@ import torch
 from inference_svc.engine.batch import SequenceStep, build_batch
 from inference_svc.engine.kv_pages import pages_for
 from inference_svc.engine.model_runner import ModelRunner
+from inference_svc.lora.apply import moe_lora_placement
+from kernels.lora_segments import NO_SLOT
+from kernels.moe_lora import PAIRS_MAX_PAIRS
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +132,10 @@ def warm_up_prefill(
     started = time.monotonic()
     config = runner.model.config
     page_size = runner.config.page_size
-    lora_slots = [-1] if runner.lora_pool is None else [-1, 0]
+    top_k = config.routing.top_k
     ran = 0
-    shapes = warm_up_shapes(max_tokens, max_decodes, config.routing.top_k)
-    for tokens, decodes, width in shapes:
-        for lora_slot in lora_slots:
+    for tokens, decodes, width in warm_up_shapes(max_tokens, max_decodes, top_k):
+        for lora_slot, placement in _lora_runs(runner, tokens * top_k):
             steps, pages_used = warm_up_sequences(
                 tokens, max_model_len, page_size, decodes, width, lora_slot
             )
@@ -138,9 +143,22 @@ def warm_up_prefill(
                 continue  # a step the KV cache could not hold never runs either
             batch = build_batch(steps, page_size, runner.device, runner.lora_slot_rank)
             ids = torch.zeros(tokens, dtype=torch.int64, device=runner.device)
-            runner.execute(ids, batch)
+            with moe_lora_placement(placement) if placement else contextlib.nullcontext():
+                runner.execute(ids, batch)
             ran += 1
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     log.info("warm-up: %d prefill steps in %.1f s", ran, time.monotonic() - started)
     return ran
+
+
+def _lora_runs(runner: ModelRunner, num_pairs: int) -> list[tuple[int, str | None]]:
+    """(LoRA slot, forced MoE-LoRA placement) of each run of one step shape: the base model,
+    and with a LoRA pool the LoRA step, twice where serving may add the routed experts'
+    expand in the grouped GEMM or after it (`moe_lora_in_gemm`: it depends on how many
+    adapters share the step, which one warm-up slot cannot show)."""
+    if runner.lora_pool is None:
+        return [(NO_SLOT, None)]
+    if num_pairs <= PAIRS_MAX_PAIRS:
+        return [(NO_SLOT, None), (0, None)]
+    return [(NO_SLOT, None), (0, "always"), (0, "never")]

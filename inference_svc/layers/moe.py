@@ -15,7 +15,13 @@ from torch import nn
 
 from inference_svc.layers.linear import Linear
 from inference_svc.layers.quant import QuantInfo, QuantMethod
-from inference_svc.lora.apply import LoraWeights, add_moe_down, add_moe_gate_up
+from inference_svc.lora.apply import (
+    LoraWeights,
+    add_moe_down,
+    add_moe_gate_up,
+    moe_lora_in_gemm,
+    start_moe_lora,
+)
 from inference_svc.model.config import RoutingConfig
 from kernels import fused_moe as fm
 from kernels.lora_segments import LoraSegments
@@ -144,18 +150,31 @@ class MoE(nn.Module):
         align = (fm.moe_align if triton_path else fm.moe_align_ref)(topk_ids, num_experts, block_m)
         gemm = fm.grouped_gemm if triton_path else fm.grouped_gemm_ref
         top_k = topk_ids.shape[1]
-        gate_up = gemm(x, w13.weight, align, top_k, w13.scale, w13.block, w13.scheme)  # [P, 2I]
         with_lora = (
             lora is not None and self.lora_gate_up is not None and self.lora_down is not None
         )
+        in_gemm = with_lora and moe_lora_in_gemm(
+            lora, top_k, num_experts, quantized=w13.scale is not None
+        )
+        fused = None
         if with_lora:
             pair_token, pair_expert = _pairs(topk_ids)
-            order = align.sorted_pair_ids
-            add_moe_gate_up(x, gate_up, self.lora_gate_up, pair_token, pair_expert, lora, order)
+            pairs = (pair_token, pair_expert, lora, align.sorted_pair_ids)
+            if in_gemm:
+                fused = start_moe_lora(x, self.lora_gate_up, *pairs, per_pair=False)
+        gate_up = gemm(
+            x, w13.weight, align, top_k, w13.scale, w13.block, w13.scheme, lora=fused
+        )  # [P, 2I]
+        if with_lora and not in_gemm:
+            add_moe_gate_up(x, gate_up, self.lora_gate_up, *pairs)
         act = (fm.silu_mul if triton_path else fm.silu_mul_ref)(gate_up)  # [P, I]
-        pair_out = gemm(act, w2.weight, align, 1, w2.scale, w2.block, w2.scheme)  # [P, hidden]
-        if with_lora:
-            add_moe_down(act, pair_out, self.lora_down, pair_token, pair_expert, lora, order)
+        if in_gemm:
+            fused = start_moe_lora(act, self.lora_down, *pairs, per_pair=True)
+        pair_out = gemm(
+            act, w2.weight, align, 1, w2.scale, w2.block, w2.scheme, lora=fused
+        )  # [P, hidden]
+        if with_lora and not in_gemm:
+            add_moe_down(act, pair_out, self.lora_down, *pairs)
         return (fm.moe_combine if triton_path else fm.moe_combine_ref)(pair_out, topk_weights)
 
 

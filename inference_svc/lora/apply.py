@@ -10,7 +10,8 @@ Shape legend: T tokens, D decode tokens, H heads, C kv_lora_rank, P = T·k route
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +26,12 @@ from kernels.mla_lora import (
     mla_kv_b_lora_q_ref,
 )
 from kernels.moe_lora import (
+    PAIRS_MAX_PAIRS,
+    MoeLoraEpilogue,
     moe_lora_down,
     moe_lora_down_ref,
+    moe_lora_epilogue,
+    moe_lora_epilogue_ref,
     moe_lora_gate_up,
     moe_lora_gate_up_ref,
 )
@@ -127,6 +132,67 @@ def add_kv_b_absorbed_o(o_lat: Tensor, o: Tensor, weights: LoraWeights, segs: Lo
     """
     apply = mla_kv_b_lora_o if o_lat.is_cuda else mla_kv_b_lora_o_ref
     apply(o_lat, o, weights.a, weights.b, weights.segments(segs))
+
+
+# Where the routed experts' LoRA expand runs. "auto": inside the grouped GEMM (its tile gets
+# y·Bᵀ before it is stored) for batches of more than PAIRS_MAX_PAIRS pairs whose tiles see
+# few adapters, where a separate expand re-reads and rewrites every per-pair intermediate;
+# after the GEMM otherwise ("pairs" at decode: one launch for shrink and expand). "always" /
+# "never" force one path (tests, A/B benchmarks).
+MOE_LORA_IN_GEMM = "auto"
+# Mean rows of one (expert, adapter run) below which "auto" keeps the expand after the
+# GEMM: each adapter in a tile costs the epilogue one serial masked MMA. H100, 8192/2048-
+# token MoE stage (bench.moe_lora_prefill): bf16 experts 1.09-1.23× faster in the GEMM from
+# 24 rows per key, 0.86× at 6; FP8 (128-column tiles: twice the epilogues) 0.90-0.94× at
+# 24, 1.04-1.07× from 96. Quantized schemes other than FP8 are unmeasured: FP8's bound.
+MOE_LORA_IN_GEMM_MIN_ROWS = {"float": 16, "quantized": 64}
+
+
+def moe_lora_in_gemm(segs: LoraSegments, top_k: int, num_experts: int, quantized: bool) -> bool:
+    """Whether this batch adds its routed-expert LoRA expand in the grouped GEMM's epilogue
+    (`start_moe_lora`) rather than with the kernels after it (`add_moe_*`). Reads only host
+    counts, so a captured decode graph keeps the choice of its capture (after the GEMM)."""
+    if MOE_LORA_IN_GEMM != "auto":
+        return MOE_LORA_IN_GEMM == "always"
+    if segs.num_tokens * top_k <= PAIRS_MAX_PAIRS or segs.num_slot_runs == 0:
+        return False
+    rows_per_key = segs.num_lora_tokens * top_k / (num_experts * segs.num_slot_runs)
+    return rows_per_key >= MOE_LORA_IN_GEMM_MIN_ROWS["quantized" if quantized else "float"]
+
+
+@contextlib.contextmanager
+def moe_lora_placement(where: str) -> Iterator[None]:
+    """Force MOE_LORA_IN_GEMM to `where` ("always" / "never") inside the block (warm-up
+    compiles both paths for the step shapes where "auto" may take either)."""
+    global MOE_LORA_IN_GEMM
+    saved, MOE_LORA_IN_GEMM = MOE_LORA_IN_GEMM, where
+    try:
+        yield
+    finally:
+        MOE_LORA_IN_GEMM = saved
+
+
+def start_moe_lora(
+    a: Tensor,
+    weights: LoraWeights,
+    pair_token: Tensor,
+    pair_expert: Tensor,
+    segs: LoraSegments,
+    pair_order: Tensor,
+    *,
+    per_pair: bool,
+) -> MoeLoraEpilogue:
+    """Run the routed experts' LoRA shrink and return its expand for the grouped GEMM the
+    caller runs next (`grouped_gemm(lora=)`), when `moe_lora_in_gemm` says so.
+
+    Args: a: the GEMM's input, x [T, hidden] (gate_up) or act [P, I] (down, per_pair);
+    pair_token / pair_expert int32 [P]; pair_order as in `add_moe_gate_up`.
+    """
+    make = moe_lora_epilogue if a.is_cuda else moe_lora_epilogue_ref
+    return make(
+        a, weights.a, weights.b, pair_token, pair_expert, weights.segments(segs),
+        x_per_pair=per_pair, pair_order=pair_order,
+    )  # fmt: skip
 
 
 def add_moe_gate_up(

@@ -27,6 +27,22 @@ def test_serve_offline_smoke(tmp_path: Path) -> None:
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_serve_offline_smoke_with_moe_lora_in_the_gemm(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`--moe-lora-in-gemm always`: every step's routed-expert LoRA goes through the grouped
+    GEMM's epilogue (on the CPU: its reference) inside the serving engine."""
+    from inference_svc.lora import apply
+
+    monkeypatch.setattr(apply, "MOE_LORA_IN_GEMM", apply.MOE_LORA_IN_GEMM)  # restored after
+    out = tmp_path / "serve_offline_in_gemm.json"
+    serve_offline.main(["--out", str(out), "--smoke", "--moe-lora-in-gemm", "always"])
+    results = json.loads(out.read_text())
+    assert results["meta"]["moe_lora_in_gemm"] == "always"
+    assert apply.MOE_LORA_IN_GEMM == "always"
+    for row in results["rows"]:
+        assert row["valid"], row
+        assert row["output_tokens"] == row["requests"] * results["meta"]["output_len"]
+
+
 def test_serve_offline_profile_windows(tmp_path: Path) -> None:
     out = tmp_path / "serve_offline_profile.json"
     serve_offline.main(["--out", str(out), "--smoke", "--profile-steps", "2"])

@@ -82,3 +82,38 @@ def test_side_stream_shrinks_equal_the_same_kernels_in_order(tiny_model_dirs, mo
         runs.append(scenario.seqs)
     for overlapped, serial in zip(*runs, strict=True):
         assert torch.equal(torch.stack(overlapped.logprobs), torch.stack(serial.logprobs))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_moe_lora_in_the_gemm_epilogue_equals_the_kernels_after_it(
+    tiny_model_dirs, monkeypatch, dtype, tol
+):
+    """In every MoE layer of a mixed run (prefill chunks, decodes, two adapters and the
+    base), the routed experts' output with the LoRA expand in the grouped GEMM's epilogue
+    (compiled) equals the "pairs" kernel after the GEMM on the same input, relative to the
+    output's scale. (Not the end-to-end logprobs: these random adapters move activations
+    by ~50, and a 1e-6 difference then flips routing near-ties in later layers.)"""
+    from inference_svc.layers import moe
+    from inference_svc.lora import apply
+
+    forward = moe.MoE.forward
+    diffs, effects = [], []
+
+    def both_paths(self, x, lora=None):  # type: ignore[no-untyped-def]
+        out = {}
+        for where in ("always", "never"):
+            monkeypatch.setattr(apply, "MOE_LORA_IN_GEMM", where)
+            out[where] = forward(self, x, lora).float()
+        if lora is not None:
+            scale = out["never"].abs().max()
+            diffs.append(((out["always"] - out["never"]).abs().max() / scale).item())
+            effects.append(((out["never"] - forward(self, x).float()).abs().max() / scale).item())
+        return out["never"].to(x.dtype)
+
+    monkeypatch.setattr(moe.MoE, "forward", both_paths)
+    runner, _ = _adapted_runner(tiny_model_dirs[SPEC], dtype)
+    tokens = random_tokens([9, 12, 7, 10, 11], seed=26)
+    slots = [1, 3, -1, 3, 1]
+    Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)]).run([4, 5, 3, 6, 2])
+    assert len(diffs) > 10 and max(effects) > 0.1  # the adapters act on the routed experts
+    assert max(diffs) <= tol, f"epilogue vs after, relative: {max(diffs):.2e}"

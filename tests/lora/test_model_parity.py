@@ -139,7 +139,9 @@ def _must_not_run(*args, **kwargs):
 
 
 def _route_through_triton(monkeypatch, moe_variant: str) -> None:
-    """Make the model's LoRA calls take the Triton launchers (interpreted on the CPU)."""
+    """Make the model's LoRA calls take the Triton launchers (interpreted on the CPU);
+    moe_variant "in_gemm" adds the MoE expand in the grouped GEMM's epilogue (the GEMM's
+    Triton launcher too)."""
     import functools
 
     from inference_svc.lora import apply
@@ -148,21 +150,29 @@ def _route_through_triton(monkeypatch, moe_variant: str) -> None:
     for module, names in (
         (sgmv, ("sgmv_shrink", "sgmv_expand")),
         (mla_lora, ("mla_kv_b_lora_q", "mla_kv_b_lora_o")),
-        (moe_lora, ("moe_lora_gate_up", "moe_lora_down")),
+        (moe_lora, ("moe_lora_gate_up", "moe_lora_down", "moe_lora_epilogue")),
     ):
         for name in names:
             launcher = getattr(module, name)
-            if module is moe_lora:
+            if name in ("moe_lora_gate_up", "moe_lora_down") and moe_variant != "in_gemm":
                 launcher = functools.partial(launcher, variant=moe_variant)
             monkeypatch.setattr(apply, f"{name}_ref", launcher)
+    monkeypatch.setattr(
+        apply, "MOE_LORA_IN_GEMM", "always" if moe_variant == "in_gemm" else "never"
+    )
+    if moe_variant == "in_gemm":  # the grouped GEMM with its LoRA epilogue, interpreted
+        from kernels import fused_moe
+
+        monkeypatch.setattr(fused_moe, "grouped_gemm_ref", fused_moe.grouped_gemm)
 
 
-@pytest.mark.parametrize("moe_variant", ["auto", "runs"])
+@pytest.mark.parametrize("moe_variant", ["auto", "runs", "in_gemm"])
 def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatch, moe_variant):
     """The LoRA deltas through the Triton launchers (interpreted on CPU): their integration
     (strides of q_nope / q_lat views, stacked slices, per-pair MoE rows, decode segments of
     a mixed step) checked end to end. The tiny batches take the "pairs" MoE kernel; "runs"
-    (prefill-sized batches) walks the pairs in the base MoE's expert order."""
+    (prefill-sized batches) walks the pairs in the base MoE's expert order; "in_gemm" (long
+    batches) runs the shrink and leaves the expand to the grouped GEMM."""
     _route_through_triton(monkeypatch, moe_variant)
     spec = "v3_q_lora"
     runner = make_runner(tiny_model_dirs[spec], spec, num_slots=3, max_rank=16)
@@ -175,13 +185,20 @@ def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatc
     _check(scenario, [cases[0][0], build_tiny_model(spec), cases[1][0]])
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton", "triton_runs"])
+@pytest.mark.parametrize(
+    "kernels", ["reference", "reference_in_gemm", "triton", "triton_runs", "triton_in_gemm"]
+)
 def test_modules_an_adapter_does_not_target_are_not_read(tiny_model_dirs, monkeypatch, kernels):
     """An attention-only adapter next to one on the routed experts: the MoE LoRA kernels
     read its slot at rank 0 (`LoraPool.rank_of`), so even garbage in its (untargeted) expert
     buffers changes nothing; the other adapter's expert LoRA still acts."""
-    if kernels != "reference":
-        _route_through_triton(monkeypatch, "runs" if kernels == "triton_runs" else "auto")
+    from inference_svc.lora import apply
+
+    if kernels == "reference_in_gemm":
+        monkeypatch.setattr(apply, "MOE_LORA_IN_GEMM", "always")
+    elif kernels != "reference":
+        variant = {"triton": "auto", "triton_runs": "runs", "triton_in_gemm": "in_gemm"}[kernels]
+        _route_through_triton(monkeypatch, variant)
     spec = "v3_q_lora"
     runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=8)
     attention_only = peft_case(spec, rank=4, seed=17, target_parameters=None)

@@ -62,3 +62,33 @@ def test_warm_up_steps_run_and_leave_the_pool_and_results_untouched(tiny_model_d
     scenario = Scenario(runner, [Seq(t, slot) for t, slot in zip(tokens, [0, -1], strict=True)])
     scenario.run([9, 7])
     assert max_logprob_diff(scenario.seqs[0], oracle_logprobs(peft_model, tokens[0])) <= TOL
+
+
+def test_long_lora_steps_warm_both_moe_lora_placements(tiny_model_dirs, monkeypatch) -> None:
+    """Steps of more pairs than PAIRS_MAX_PAIRS run with LoRA twice: the routed experts'
+    expand in the grouped GEMM's epilogue and after it (serving picks per step)."""
+    from inference_svc.engine import warm_up
+    from inference_svc.layers import moe
+    from inference_svc.lora import apply
+
+    monkeypatch.setattr(warm_up, "PAIRS_MAX_PAIRS", 40)
+    calls = {"in_gemm": 0, "after": 0}
+
+    def counting(name, fn):  # type: ignore[no-untyped-def]
+        def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(moe, "start_moe_lora", counting("in_gemm", moe.start_moe_lora))
+    monkeypatch.setattr(moe, "add_moe_gate_up", counting("after", moe.add_moe_gate_up))
+    spec = "v3_q_lora"
+    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=8)
+    top_k = runner.model.config.routing.top_k
+    shapes = warm_up_shapes(24, 1, top_k)
+    long = sum(tokens * top_k > 40 for tokens, _, _ in shapes)
+    assert 0 < long < len(shapes)
+    assert warm_up_prefill(runner, 24, 10) == 2 * len(shapes) + long
+    assert calls["in_gemm"] > 0 and calls["after"] > 0
+    assert apply.MOE_LORA_IN_GEMM == "auto"  # the forced placements were undone
