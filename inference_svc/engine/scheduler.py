@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from adapter_store.errors import LoraserveError, ResourceExhausted
 from inference_svc.adapters.residency import AdapterResidency, HostState
 from inference_svc.engine.kv_pages import PageAllocator, pages_for
-from inference_svc.engine.lora_slots import LoraSlotAllocator
+from inference_svc.engine.lora_slots import LoraSlotAllocator, SlotHandle
 from inference_svc.engine.sequence import (
     AdapterBinding,
     AdapterKey,
@@ -112,8 +112,11 @@ class Scheduler:
         self._queues: OrderedDict[AdapterKey, deque[Sequence]] = OrderedDict()
         self._by_id: dict[str, Sequence] = {}
         self._tickets: list[PrefetchTicket] = []
-        # Slot copies in flight: their adapters' requests start once the copy has landed.
-        self._loading: dict[AdapterKey, SlotLoad] = {}
+        # Slot copies in flight, each holding a reference to its slot until the copy has
+        # landed: their adapters' requests start then. Without the reference the slot
+        # could be evicted mid-copy by the next waiting adapter (with more adapters waiting
+        # than slots, every step loaded and evicted them all and never ran one).
+        self._loading: dict[AdapterKey, tuple[SlotLoad, SlotHandle]] = {}
         self._failed_now: list[tuple[Sequence, LoraserveError]] = []
         self.residency_version = 0  # bumped whenever a slot or host entry changes
 
@@ -213,6 +216,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.residency.poll()
+        for key in list(self._loading):
+            self._still_loading(key)  # frees the slot references of copies that landed
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         self._serve_tickets()
@@ -323,11 +328,8 @@ class Scheduler:
 
     def _advance_adapter(self, adapter: AdapterBinding) -> tuple[_Progress, LoraserveError | None]:
         key = adapter.key
-        loading = self._loading.get(key)
-        if loading is not None:
-            if not loading.done():
-                return _Progress.WAIT, None
-            del self._loading[key]
+        if self._still_loading(key):
+            return _Progress.WAIT, None
         if self.slots.is_ready(key):
             return _Progress.READY, None
         if self.slots.slot_of(key) is not None:
@@ -356,17 +358,30 @@ class Scheduler:
             self.residency.start_fetch(adapter)
             return _Progress.WAIT, None
         self.slots.mark_loaded(key)
-        self.slots.release(handle)
         if handle.evicted is not None:
             self.metrics.slot_evictions.inc()
         self.residency_version += 1
         if copy.load.done():
+            self.slots.release(handle)
             return _Progress.READY, None
         # The copy runs on the pool's side stream (~11 ms for a 582 MB adapter over PCIe):
         # the adapter's requests start in a later step, once it has landed, so no step
-        # waits for it and the other requests go on meanwhile.
-        self._loading[key] = copy.load
+        # waits for it and the other requests go on meanwhile. The handle keeps the slot
+        # from being evicted until then.
+        self._loading[key] = (copy.load, handle)
         return _Progress.WAIT, None
+
+    def _still_loading(self, key: AdapterKey) -> bool:
+        """Whether `key`'s slot copy is in flight; once it has landed, drop its reference."""
+        loading = self._loading.get(key)
+        if loading is None:
+            return False
+        load, handle = loading
+        if not load.done():
+            return True
+        del self._loading[key]
+        self.slots.release(handle)
+        return False
 
     def _serve_tickets(self) -> None:
         for ticket in list(self._tickets):
@@ -389,7 +404,9 @@ class Scheduler:
 
     def unload(self, key: AdapterKey) -> bool:
         """UnloadAdapter: unpin, free the slot and drop the host copy; whether any was held.
-        Raises ResourceExhausted while running requests use it."""
+        Raises ResourceExhausted while running requests use it or its copy is in flight."""
+        if self._still_loading(key):
+            raise ResourceExhausted(f"adapter {key!r} is still being loaded into its slot")
         slot = self.slots.unload(key)
         if slot is not None:
             self.residency.unload_slot(slot)
