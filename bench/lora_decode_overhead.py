@@ -52,6 +52,7 @@ from inference_svc.model.config import parse_config
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
 from kernels.lora_segments import build_lora_segments
 from kernels.moe_lora import moe_lora_down, moe_lora_gate_up
+from kernels.sgmv import sgmv_shrink
 
 BATCHES = (1, 64, 256)
 NUM_ADAPTERS = 32
@@ -90,6 +91,9 @@ KERNEL_SETS: dict[str, dict[str, Any]] = {
     # GEMM epilogue: "pairs" at decode, "runs" at prefill), or always in its epilogue.
     "moe_after": {"MOE_LORA_IN_GEMM": "never"},
     "moe_in_gemm": {"MOE_LORA_IN_GEMM": "always"},
+    # The linear modules' shrinks with fewer K splits (fewer float32 atomics).
+    "shrink_p2": {"sgmv_shrink": functools.partial(sgmv_shrink, variant="planned_p2")},
+    "shrink_p1": {"sgmv_shrink": functools.partial(sgmv_shrink, variant="planned_p1")},
 }
 
 

@@ -400,6 +400,9 @@ SHRINK_VARIANTS = {
     "v1": SgmvVariant(planned=False),
     "planned": SgmvVariant(planned=True, programs_per_sm=8, block=128),
     "planned_k64": SgmvVariant(planned=True, programs_per_sm=16, block=64),
+    # Fewer, longer K splits: a quarter / an eighth of planned's float32 atomics per token.
+    "planned_p2": SgmvVariant(planned=True, programs_per_sm=2, block=128),
+    "planned_p1": SgmvVariant(planned=True, programs_per_sm=1, block=128),
 }
 EXPAND_VARIANTS = {
     "v1": SgmvVariant(planned=False),

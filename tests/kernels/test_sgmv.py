@@ -6,6 +6,8 @@ On CPU the kernels run under TRITON_INTERPRET=1 (set by conftest.py) in fp32/fp1
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -31,8 +33,11 @@ from tests.kernels.lora_cases import (
 # Unequal stacked slices like attn.qkv_a (q_lora_rank | kv_lora_rank + rope), odd widths.
 QKV_A_SLICES = [0, 37, 37 + 45]
 DENSE_SLICES = [0, 53]
-# (shrink, expand) variant pairs: every variant of both tables is covered.
-VARIANTS = list(zip(SHRINK_VARIANTS, EXPAND_VARIANTS, strict=True))
+# (shrink, expand) variant pairs: every variant of both tables is covered (the shorter
+# table's last variant pairs with the longer one's rest).
+VARIANTS = list(
+    itertools.zip_longest(SHRINK_VARIANTS, EXPAND_VARIANTS, fillvalue=list(EXPAND_VARIANTS)[-1])
+)
 
 
 def _dense_delta(x, A, B, segs, slice_offsets):  # type: ignore[no-untyped-def]
