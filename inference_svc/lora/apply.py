@@ -141,7 +141,9 @@ def add_kv_b_absorbed_o(o_lat: Tensor, o: Tensor, weights: LoraWeights, segs: Lo
 # "never" force one path (tests, A/B benchmarks).
 MOE_LORA_IN_GEMM = "auto"
 # Mean rows of one (expert, adapter run) below which "auto" keeps the expand after the
-# GEMM: each adapter in a tile costs the epilogue one serial masked MMA. H100, 8192/2048-
+# GEMM: each adapter in a tile costs the epilogue one serial masked MMA. Rows per key =
+# the token-weighted mean adapter run × top_k / experts (decode rows beside long prompts
+# add a tile of many adapters per expert, not a smaller mean for every tile). H100, 8192/2048-
 # token MoE stage (bench.moe_lora_prefill): bf16 experts 1.09-1.23× faster in the GEMM from
 # 24 rows per key, 0.86× at 6; FP8 (128-column tiles: twice the epilogues) 0.90-0.94× at
 # 24, 1.04-1.07× from 96. Quantized schemes other than FP8 are unmeasured: FP8's bound.
@@ -154,9 +156,9 @@ def moe_lora_in_gemm(segs: LoraSegments, top_k: int, num_experts: int, quantized
     counts, so a captured decode graph keeps the choice of its capture (after the GEMM)."""
     if MOE_LORA_IN_GEMM != "auto":
         return MOE_LORA_IN_GEMM == "always"
-    if segs.num_tokens * top_k <= PAIRS_MAX_PAIRS or segs.num_slot_runs == 0:
+    if segs.num_tokens * top_k <= PAIRS_MAX_PAIRS:
         return False
-    rows_per_key = segs.num_lora_tokens * top_k / (num_experts * segs.num_slot_runs)
+    rows_per_key = segs.run_tokens * top_k / num_experts
     return rows_per_key >= MOE_LORA_IN_GEMM_MIN_ROWS["quantized" if quantized else "float"]
 
 

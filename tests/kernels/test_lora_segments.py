@@ -26,16 +26,15 @@ def test_consecutive_equal_slots_form_one_segment() -> None:
     assert segs.slot_rank.tolist() == [4, 0, 8]
 
 
-def test_host_counts_of_adapter_tokens_and_slot_runs() -> None:
+def test_host_mean_adapter_run_is_token_weighted() -> None:
     """Runs ignore the max_seg_len cut and the base model's tokens (what the MoE-LoRA
     placement reads: rows per (expert, adapter run))."""
     segs = build_lora_segments([2] * 40 + [0, -1, -1, 2, 1, 1], [4, 8, 8])
     assert segs.num_live_segments == 7  # 40 tokens of slot 2 cut at 16
-    assert (segs.num_lora_tokens, segs.num_slot_runs) == (44, 4)
+    assert segs.run_tokens == (40**2 + 1 + 1 + 2**2) / 44
     reused = build_lora_segments([-1, -1, -1], [4, 8, 8], out=segs)
-    assert (reused.num_lora_tokens, reused.num_slot_runs) == (0, 0)
-    empty = build_lora_segments([], [8])
-    assert (empty.num_lora_tokens, empty.num_slot_runs) == (0, 0)
+    assert reused.run_tokens == 0.0
+    assert build_lora_segments([], [8]).run_tokens == 0.0
 
 
 def test_empty_batch_has_no_segments() -> None:

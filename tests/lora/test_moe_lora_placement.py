@@ -40,6 +40,16 @@ def test_base_tokens_do_not_count_as_rows_and_a_base_only_step_stays_after() -> 
     assert not apply.moe_lora_in_gemm(_segs(8, 700, base_tokens=1000), TOP_K, EXPERTS, False)
 
 
+def test_decodes_beside_long_prompts_do_not_hide_the_long_runs() -> None:
+    """A serving prefill step: 96 one-token decodes of 32 adapters, then 16 prompts of 512
+    tokens of 16 adapters. Per run that is 8288 / 112 = 74 tokens (7 rows per key, "after");
+    token-weighted 506 (47 rows per key): the prompts' tiles see one adapter each."""
+    decodes = [i % 32 for i in range(96)]
+    slots = sorted(decodes) + [32 + i // 512 for i in range(16 * 512)]
+    segs = build_lora_segments(slots, [16] * 48)
+    assert apply.moe_lora_in_gemm(segs, TOP_K, EXPERTS, quantized=False)
+
+
 def test_forced_placements_and_the_context_manager(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     short = _segs(1, 16)
     with apply.moe_lora_placement("always"):
