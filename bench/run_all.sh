@@ -10,7 +10,8 @@
 # experts), serve_offline_fp8 (routed experts FP8 block-quantized), serve_cold_idle
 # (cold-adapter probes on an idle engine), model_decode_fp8, grouped_gemm_tiles (expert GEMM
 # tile plans at prefill shapes), copy_contention (a step's copy beside a slot load),
-# serve_offline_profile (profiler windows inside serving). A benchmark cut off by its
+# serve_offline_profile (profiler windows inside serving), moe_lora_prefill (the MoE stage
+# with LoRA after the grouped GEMM vs in its epilogue). A benchmark cut off by its
 # limit keeps what it wrote (the serving ones rewrite their JSON after every scenario and
 # skip scenarios that would not fit: --time-budget). Logs: RESULTS_DIR/NAME.log.
 # Limits (s) can be changed per benchmark: LIMIT_<NAME>=300 bash bench/run_all.sh DIR NAME.
@@ -24,13 +25,13 @@ START=$(date +%s)
 for name_limit in ceilings:30 lora_kernels:50 model_decode:50 lora_decode_overhead:45 \
     lora_slot_load:45 serve_offline_r16:140 serve_online:120 serve_offline_r64:50 \
     model_decode_fp8:60 serve_offline_fp8:140 serve_offline_noroute:130 serve_cold_idle:100 \
-    grouped_gemm_tiles:120 copy_contention:60 serve_offline_profile:300; do
+    grouped_gemm_tiles:120 copy_contention:60 serve_offline_profile:300 moe_lora_prefill:90; do
   var="LIMIT_${name_limit%%:*}"
   declare "$var=${!var:-${name_limit##*:}}"
 done
 
 VARIANTS=" model_decode_fp8 serve_offline_fp8 serve_offline_noroute serve_cold_idle "
-VARIANTS+=" grouped_gemm_tiles copy_contention serve_offline_profile "
+VARIANTS+=" grouped_gemm_tiles copy_contention serve_offline_profile moe_lora_prefill "
 
 run() {  # run NAME LIMIT_S MODULE ARGS...
   local name=$1 limit=$2
@@ -74,6 +75,9 @@ run copy_contention "$LIMIT_copy_contention" bench.copy_contention --out "$OUT/c
 run serve_offline_profile "$LIMIT_serve_offline_profile" bench.serve_offline --rank 16 \
   --out "$OUT/serve_offline_profile.json" --profile-steps 3 \
   --scenarios "no LoRA" "N=32 uniform" "N=1 uniform"
+
+run moe_lora_prefill "$LIMIT_moe_lora_prefill" bench.moe_lora_prefill \
+  --out "$OUT/moe_lora_prefill.json"
 
 echo "== all done in $(( $(date +%s) - START )) s; results in $OUT"
 "$PY" -m bench.summary "$OUT"
