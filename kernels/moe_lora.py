@@ -39,6 +39,9 @@ from kernels.lora_segments import LoraSegments, live_rank_columns
 from kernels.sgmv import dot_precision, num_sms, plan_split_k, rank_block
 
 BLOCK_P = 16
+# Pairs per block of the epilogue path's shrink: it walks the expert-sorted order, where a
+# block of 64 holds about as few keys as one of 16 and reads each key's A a quarter as often.
+EPILOGUE_BLOCK_P = 64
 # "pairs" re-reads a key's weights once per pair (from L2 when pairs share it): right for
 # decode, where nearly every pair has its own key; "auto" uses "runs" beyond this.
 PAIRS_MAX_PAIRS = 4096
@@ -459,7 +462,7 @@ def moe_lora_epilogue(
     True for down); pair_order: the walk order of the shrink (result unchanged).
     """
     num_slices = _check_shrink(x, A, B, pair_token, pair_expert, x_per_pair)
-    walk = _PairWalk.of(pair_token, pair_expert, segs, pair_order)
+    walk = _PairWalk.of(pair_token, pair_expert, segs, pair_order, EPILOGUE_BLOCK_P)
     y = _shrink_runs(x, A, walk, x_per_pair, num_slices, B.shape[3])
     return MoeLoraEpilogue(y, B, pair_token, segs.token_slot, segs.slot_rank)
 
@@ -601,7 +604,7 @@ def _moe_lora(
         *B.stride(),
         *out.stride(),
         ORDERED=walk.ordered,
-        BLOCK_P=BLOCK_P,
+        BLOCK_P=walk.block_p,
         BLOCK_N=block_n,
         BLOCK_R=rank_block(pool_rank),
         DOT_PRECISION=dot_precision(B.dtype),
@@ -617,10 +620,15 @@ class _PairWalk:
     meta: tuple  # the kernels' pair arguments, pair_token .. order_len
     ordered: bool
     blocks: int
+    block_p: int
 
     @staticmethod
     def of(
-        pair_token: Tensor, pair_expert: Tensor, segs: LoraSegments, pair_order: Tensor | None
+        pair_token: Tensor,
+        pair_expert: Tensor,
+        segs: LoraSegments,
+        pair_order: Tensor | None,
+        block_p: int = BLOCK_P,
     ) -> _PairWalk:
         if pair_order is not None and (pair_order.dtype != torch.int32 or pair_order.dim() != 1):
             raise ValueError(
@@ -632,7 +640,8 @@ class _PairWalk:
         meta = (
             pair_token, pair_expert, segs.token_slot, segs.slot_rank, num_pairs, order, order_len
         )  # fmt: skip
-        return _PairWalk(meta, pair_order is not None, triton.cdiv(order_len, BLOCK_P))
+        blocks = triton.cdiv(order_len, block_p)
+        return _PairWalk(meta, pair_order is not None, blocks, block_p)
 
 
 def _shrink_runs(
@@ -661,7 +670,7 @@ def _shrink_runs(
         *y.stride(),
         X_PER_PAIR=x_per_pair,
         ORDERED=walk.ordered,
-        BLOCK_P=BLOCK_P,
+        BLOCK_P=walk.block_p,
         BLOCK_R=block_r,
         BLOCK_K=block_k,
         ATOMIC=split_k > 1,
