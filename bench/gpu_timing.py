@@ -6,9 +6,11 @@ CPU path (`--smoke` runs) uses a plain median so the scripts' setup can be check
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +66,29 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def kernel_bench_args(doc: str | None, argv: list[str] | None) -> tuple[Path, torch.device]:
+    """`--out JSON` and `--smoke` (CPU, tiny, interpreted) of a kernel bench: (out, device)."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny, interpreted")
+    args = parser.parse_args(argv)
+    return args.out, torch.device("cpu" if args.smoke else "cuda")
+
+
+def run_meta(benchmark: str, device: torch.device, started: float, **extra: object) -> dict:
+    """The JSON meta of a bench run: name, device, the command, date, `extra`, seconds."""
+    return {
+        "benchmark": benchmark,
+        "device": device_name(device),
+        "command": " ".join([f"python3 -m bench.{benchmark}", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **extra,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def write_json(path: Path, meta: dict, rows: list[dict]) -> None:

@@ -14,16 +14,13 @@ TFLOP/s and the speed-up over the current plan. No model, no engine.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from bench.gpu_timing import bar_plot, device_name, time_ms, write_json
+from bench.gpu_timing import bar_plot, kernel_bench_args, run_meta, time_ms, write_json
 from kernels import fused_moe as fm
 from kernels.fp8 import block_quant_ref
 
@@ -133,28 +130,16 @@ def time_plans(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny, interpreted")
-    args = parser.parse_args(argv)
-    device = torch.device("cpu" if args.smoke else "cuda")
+    out, device = kernel_bench_args(__doc__, argv)
+    smoke = device.type == "cpu"
     started = time.perf_counter()
-    tokens = [4] if args.smoke else [8192, 512]
-    schemes = ["bf16"] if args.smoke else ["bf16", "fp8"]
-    plans = [PLANS[0], PLANS[2], PLANS[6]] if args.smoke else PLANS  # both row tiles
-    shapes = SMOKE_SHAPES if args.smoke else ExpertShapes()
+    tokens = [4] if smoke else [8192, 512]
+    schemes = ["bf16"] if smoke else ["bf16", "fp8"]
+    plans = [PLANS[0], PLANS[2], PLANS[6]] if smoke else PLANS  # both row tiles
+    shapes = SMOKE_SHAPES if smoke else ExpertShapes()
     rows = run(shapes, tokens, schemes, plans, device, rep=50)
-    meta = {
-        "benchmark": "grouped_gemm_tiles",
-        "device": device_name(device),
-        "command": " ".join(["python3 -m bench.grouped_gemm_tiles", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "shapes": asdict(shapes),
-        "seconds": time.perf_counter() - started,
-    }
-    write_json(args.out, meta, rows)
+    meta = run_meta("grouped_gemm_tiles", device, started, shapes=asdict(shapes))
+    write_json(out, meta, rows)
     big = [r for r in rows if r["tokens"] == max(tokens)]
     labels = sorted({r["plan"] for r in big}, key=[plan_label(m, t) for m, t in plans].index)
     series = {
@@ -166,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         for g in ("gate_up", "down")
     }
     bar_plot(
-        args.out.with_suffix(".png"),
+        out.with_suffix(".png"),
         f"grouped GEMM tile plans, {max(tokens)} tokens",
         labels,
         series,

@@ -20,16 +20,13 @@ so host launch cost is not in them. Each row checks in_gemm's output against aft
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
-from bench.gpu_timing import bar_plot, device_name, time_ms, write_json
+from bench.gpu_timing import bar_plot, kernel_bench_args, run_meta, time_ms, write_json
 from bench.grouped_gemm_tiles import SMOKE_SHAPES, ExpertShapes, make_weights
 from kernels import fused_moe as fm
 from kernels.lora_segments import build_lora_segments
@@ -120,34 +117,21 @@ def run(shapes: ExpertShapes, tokens_list, adapters_list, schemes, device, rep):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny, interpreted")
-    args = parser.parse_args(argv)
-    device = torch.device("cpu" if args.smoke else "cuda")
+    out, device = kernel_bench_args(__doc__, argv)
+    smoke = device.type == "cpu"
     started = time.perf_counter()
-    shapes = SMOKE_SHAPES if args.smoke else ExpertShapes()
-    tokens = [40] if args.smoke else [8192, 2048]
-    adapters = [1, 3] if args.smoke else [1, 8, 32]
-    schemes = ["bf16"] if args.smoke else ["bf16", "fp8"]
+    shapes = SMOKE_SHAPES if smoke else ExpertShapes()
+    tokens = [40] if smoke else [8192, 2048]
+    adapters = [1, 3] if smoke else [1, 8, 32]
+    schemes = ["bf16"] if smoke else ["bf16", "fp8"]
     rows = run(shapes, tokens, adapters, schemes, device, rep=50)
-    meta = {
-        "benchmark": "moe_lora_prefill",
-        "device": device_name(device),
-        "command": " ".join(["python3 -m bench.moe_lora_prefill", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "shapes": asdict(shapes),
-        "rank": RANK,
-        "seconds": time.perf_counter() - started,
-    }
-    write_json(args.out, meta, rows)
+    meta = run_meta("moe_lora_prefill", device, started, shapes=asdict(shapes), rank=RANK)
+    write_json(out, meta, rows)
     big = [r for r in rows if r["tokens"] == max(tokens)]
     labels = [f"{r['scheme']} N={r['adapters']}" for r in big]
     series = {way: [r[f"{way}_ms"] for r in big] for way in WAYS}
     bar_plot(
-        args.out.with_suffix(".png"),
+        out.with_suffix(".png"),
         f"MoE stage with LoRA, {max(tokens)} tokens (one layer)",
         labels,
         series,

@@ -169,7 +169,8 @@ def build_lora_segments(
     if slots.size and (slots.min() < NO_SLOT or slots.max() >= config.num_slots):
         raise ValueError(f"token slots must lie in [-1, {config.num_slots}), got {slots.tolist()}")
 
-    seg_starts = _segment_starts(slots, config.max_seg_len)
+    run_starts = _run_starts(slots)
+    seg_starts = _segment_starts(slots.size, run_starts, config.max_seg_len)
     # Staged in pinned memory on CUDA so that the copy is asynchronous (no host sync while
     # a captured graph's buffers are refilled).
     host = torch.empty(_packed_len(config), dtype=torch.int32, pin_memory=out.packed.is_cuda)
@@ -182,29 +183,28 @@ def build_lora_segments(
         out.slot_rank.copy_(torch.tensor(list(slot_rank), dtype=torch.int32), non_blocking=True)
     out.num_tokens = slots.size
     out.num_live_segments = seg_starts.size
-    out.run_tokens = _adapter_run_tokens(slots)
+    out.run_tokens = _adapter_run_tokens(slots, run_starts)
     return out
 
 
-def _adapter_run_tokens(slots: np.ndarray) -> float:
+def _run_starts(slots: np.ndarray) -> np.ndarray:
+    """int64 [runs]: the first token of each run of consecutive equal slots, ascending."""
+    return np.flatnonzero(np.diff(slots, prepend=NO_SLOT - 1))
+
+
+def _adapter_run_tokens(slots: np.ndarray, run_starts: np.ndarray) -> float:
     """Token-weighted mean length of the runs of equal slots ≥ 0 (0.0 when none)."""
-    starts = np.flatnonzero(np.diff(slots, prepend=NO_SLOT - 1))  # first token of each run
-    lengths = np.diff(starts, append=slots.size)[slots[starts] >= 0].astype(np.float64)
+    lengths = np.diff(run_starts, append=slots.size)[slots[run_starts] >= 0].astype(np.float64)
     return float((lengths**2).sum() / lengths.sum()) if lengths.size else 0.0
 
 
-def _segment_starts(slots: np.ndarray, max_seg_len: int) -> np.ndarray:
-    """First token of each segment: where the slot changes or a run reaches max_seg_len.
+def _segment_starts(num_tokens: int, run_starts: np.ndarray, max_seg_len: int) -> np.ndarray:
+    """First token of each segment: each run's first token, then every max_seg_len-th.
 
-    Args: slots int [T] slot per token. Returns int64 [num_segments], ascending.
+    Args: run_starts int [runs] (`_run_starts`). Returns int64 [num_segments], ascending.
     """
-    index = np.arange(slots.size)
-    changed = np.empty(slots.size, dtype=bool)
-    changed[:1] = True
-    np.not_equal(slots[1:], slots[:-1], out=changed[1:])
-    # The first token of each token's run is the last change at or before it.
-    run_start = np.maximum.accumulate(np.where(changed, index, 0))  # [T]
-    return np.flatnonzero((index - run_start) % max_seg_len == 0)
+    run_start = np.repeat(run_starts, np.diff(run_starts, append=num_tokens))  # [T]
+    return np.flatnonzero((np.arange(num_tokens) - run_start) % max_seg_len == 0)
 
 
 def _fill_packed(

@@ -363,22 +363,9 @@ class MoeLoraEpilogue:
 
     def delta_ref(self, pairs: Tensor, expert: int) -> Tensor:
         """[len(pairs), S·N] float32: the term the GEMM adds to `pairs`, all of `expert`."""
-        pool_rank = self.b.shape[3]
-        slices = self.num_slices
-        width = self.b.shape[2] // slices
-        token = self.pair_token[pairs].long()
-        slot = torch.where(token >= 0, self.token_slot[token.clamp(min=0)].long(), -1)
-        keep = live_rank_columns(self.slot_rank, slot, pool_rank)  # [n, R]
-        b = self.b[slot.clamp(min=0), expert if self.b.shape[1] > 1 else 0]  # [n, S·N, R]
-        b = torch.where(keep[:, None, :], b, 0).float()
-        y = self.y[pairs].to(self.b.dtype).float()  # [n, S·R]
-        parts = [
-            torch.bmm(
-                b[:, i * width : (i + 1) * width], y[:, i * pool_rank : (i + 1) * pool_rank, None]
-            ).squeeze(2)
-            for i in range(slices)
-        ]
-        return torch.cat(parts, dim=1)
+        slot = _pair_slots(self.pair_token[pairs], self.token_slot)
+        y = self.y[pairs].to(self.b.dtype).float()  # [n, S·R], rounded as the kernel feeds it
+        return _expand_ref(y, self.b, slot, _experts(self.b, expert), self.slot_rank)
 
 
 @triton.jit
@@ -481,7 +468,8 @@ def moe_lora_epilogue_ref(
     """Torch reference of `moe_lora_epilogue` (y in float32; pair_order is not read)."""
     _check_shrink(x, A, B, pair_token, pair_expert, x_per_pair)
     x_rows = x if x_per_pair else x[pair_token.clamp(min=0).long()]
-    y = _shrink_ref(x_rows, A, pair_token, pair_expert, segs, B.shape[3]).float().squeeze(2)
+    slot = _pair_slots(pair_token, segs.token_slot)
+    y = _shrink_ref(x_rows, A, slot, pair_expert, segs.slot_rank, B.shape[3]).float()
     return MoeLoraEpilogue(y, B, pair_token, segs.token_slot, segs.slot_rank)
 
 
@@ -760,42 +748,58 @@ def _moe_lora_ref(
     segs: LoraSegments,
 ) -> Tensor:
     """out[p] += per-slice (x_rows[p] · A[slot, eA]ᵀ) · B[slot, eB]ᵀ over live rank columns."""
-    pool_rank = B.shape[3]
-    num_slices = A.shape[2] // pool_rank
-    slice_width = B.shape[2] // num_slices
-    token = pair_token.long()
-    slot = torch.where(token >= 0, segs.token_slot[token.clamp(min=0)].long(), -1)  # [P]
-    keep = live_rank_columns(segs.slot_rank, slot, pool_rank)  # [P, R]
-    y = _shrink_ref(x_rows, A, pair_token, pair_expert, segs, pool_rank)  # [P, S*R, 1]
-    b = torch.where(keep[:, None, :], B[slot.clamp(min=0), _experts(B, pair_expert)], 0)
-    for i in range(num_slices):
-        b_i = b[:, i * slice_width : (i + 1) * slice_width]  # [P, N, R]
-        delta = torch.bmm(b_i, y[:, i * pool_rank : (i + 1) * pool_rank]).squeeze(2)  # [P, N]
-        out[:, i * slice_width : (i + 1) * slice_width] += delta.to(out.dtype)
+    slot = _pair_slots(pair_token, segs.token_slot)
+    y = _shrink_ref(x_rows, A, slot, pair_expert, segs.slot_rank, B.shape[3])  # [P, S*R]
+    out += _expand_ref(y, B, slot, _experts(B, pair_expert), segs.slot_rank).to(out.dtype)
     return out
 
 
-def _experts(w: Tensor, pair_expert: Tensor) -> Tensor | int:
+def _pair_slots(pair_token: Tensor, token_slot: Tensor) -> Tensor:
+    """int64 [P]: each pair's slot, -1 for padding pairs and tokens without an adapter."""
+    token = pair_token.long()
+    return torch.where(token >= 0, token_slot[token.clamp(min=0)].long(), -1)
+
+
+def _experts(w: Tensor, pair_expert: Tensor | int) -> Tensor | int:
     """Index of each pair's expert in w's expert dim (0 for a shared-outer dim of 1)."""
-    return pair_expert.long() if w.shape[1] > 1 else 0
+    if w.shape[1] == 1:
+        return 0
+    return pair_expert.long() if isinstance(pair_expert, Tensor) else pair_expert
 
 
 def _shrink_ref(
     x_rows: Tensor,
     A: Tensor,
-    pair_token: Tensor,
+    slot: Tensor,
     pair_expert: Tensor,
-    segs: LoraSegments,
+    slot_rank: Tensor,
     pool_rank: int,
 ) -> Tensor:
-    """[P, S*R, 1] in A's dtype: A[slot, eA] · x_rows[p] over live rank rows, 0 elsewhere."""
+    """[P, S*R] in A's dtype: A[slot, eA] · x_rows[p] over live rank rows, 0 elsewhere."""
     num_slices = A.shape[2] // pool_rank
-    token = pair_token.long()
-    slot = torch.where(token >= 0, segs.token_slot[token.clamp(min=0)].long(), -1)  # [P]
-    keep = live_rank_columns(segs.slot_rank, slot, pool_rank)  # [P, R]
+    keep = live_rank_columns(slot_rank, slot, pool_rank)  # [P, R]
     a = A[slot.clamp(min=0), _experts(A, pair_expert)]  # [P, S*R, K]
     a = torch.where(keep.repeat(1, num_slices)[:, :, None], a, 0)
-    return torch.bmm(a, x_rows.to(A.dtype).unsqueeze(2))
+    return torch.bmm(a, x_rows.to(A.dtype).unsqueeze(2)).squeeze(2)
+
+
+def _expand_ref(
+    y: Tensor, B: Tensor, slot: Tensor, expert: Tensor | int, slot_rank: Tensor
+) -> Tensor:
+    """[P, S*N] in y's dtype: per slice i, B[slot, expert, slice i cols, live ranks] ·
+    y[p, i*R : (i+1)*R]."""
+    pool_rank = B.shape[3]
+    num_slices = y.shape[1] // pool_rank
+    width = B.shape[2] // num_slices
+    keep = live_rank_columns(slot_rank, slot, pool_rank)  # [P, R]
+    b = torch.where(keep[:, None, :], B[slot.clamp(min=0), expert], 0).to(y.dtype)  # [P,S*N,R]
+    parts = [
+        torch.bmm(
+            b[:, i * width : (i + 1) * width], y[:, i * pool_rank : (i + 1) * pool_rank, None]
+        )
+        for i in range(num_slices)
+    ]  # [P, N, 1] each
+    return torch.cat(parts, dim=1).squeeze(2)
 
 
 def _check_moe(
