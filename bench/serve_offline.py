@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from bench.gpu_timing import device_name
+from bench.host_profile import HostProfile
 from bench.serve_setup import (
     AdapterLibrary,
     ServeBenchConfig,
@@ -94,12 +95,14 @@ def run_scenario(
     tag: str,
     timeout_s: float,
     profile_steps: int = 0,
+    profile_kind: str = "kernels",
 ) -> dict[str, Any]:
     """Submit `requests` at once, step until all finish; one result row.
 
     profile_steps: K > 0 profiles steps [PROFILE_PREFILL_FROM, +K) (prefill steps beside
     decodes) and [PROFILE_DECODE_FROM, +K) (decode-only) into the row's `profile`; the
-    profiler's overhead is then inside the row's wall time.
+    profiler's overhead is then inside the row's wall time. profile_kind: "kernels" (torch
+    profiler, GPU time by kernel class) or "host" (cProfile, Python time by function).
     """
     vocab = engine.runner.model.config.vocab_size
     names = adapter_names(tag, scenario.adapters)
@@ -124,7 +127,9 @@ def run_scenario(
     # the sampler's device→host copy, so its wall time is its GPU time.
     kinds = {"decode": [0, 0.0], "prefill": [0, 0.0]}
     complete = True
-    windows = StepWindows(profile_steps, torch.device(config.device), config.max_num_seqs)
+    windows = StepWindows(
+        profile_steps, torch.device(config.device), config.max_num_seqs, profile_kind
+    )
     synchronize(config)
     start = time.perf_counter()
     for seq in seqs:
@@ -187,16 +192,17 @@ class StepWindows:
     """Profiles two windows of a scenario's steps (see `run_scenario`); each summary is
     labelled by the kind of step it held (prefill / decode / mixed kinds)."""
 
-    def __init__(self, steps: int, device: torch.device, max_num_seqs: int):
+    def __init__(self, steps: int, device: torch.device, max_num_seqs: int, kind: str):
         self.steps, self.device, self.max_num_seqs = steps, device, max_num_seqs
-        self._open: tuple[int, StepProfile, set[str]] | None = None
+        self._recorder = {"kernels": StepProfile, "host": HostProfile}[kind]
+        self._open: tuple[int, StepProfile | HostProfile, set[str]] | None = None
         self._done: dict[str, dict] = {}
 
     def step(self, engine: LLMEngine, index: int) -> int:
         """engine.step(), profiled when step `index` lies in a window."""
         starts = (PROFILE_PREFILL_FROM, PROFILE_DECODE_FROM) if self.steps else ()
         if index in starts and self._open is None:
-            self._open = (index, StepProfile(self.device).start(), set())
+            self._open = (index, self._recorder(self.device).start(), set())
         if self._open is None:
             return engine.step()
         first, recorder, kinds = self._open
@@ -323,6 +329,13 @@ def main(argv: list[str] | None = None) -> None:
         help="K: profile K prefill and K decode steps per scenario (kernel classes, GPU "
         "busy vs wall); the profiler's overhead lands in that scenario's throughput",
     )
+    parser.add_argument(
+        "--profile-kind",
+        choices=["kernels", "host"],
+        default="kernels",
+        help="kernels: torch profiler (GPU time by kernel class); host: cProfile (Python "
+        "time per function, the launches included)",
+    )
     args = parser.parse_args(argv)
 
     config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=2)
@@ -391,6 +404,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"s{index}",
                 args.scenario_timeout,
                 args.profile_steps,
+                args.profile_kind,
             )
             longest = max(longest, row["seconds"])
             results["rows"].append(row)

@@ -61,6 +61,25 @@ def test_serve_offline_profile_windows(tmp_path: Path) -> None:
     assert launches["N=8 zipf"] > launches["no LoRA"]
 
 
+def test_serve_offline_host_profile_windows(tmp_path: Path) -> None:
+    out = tmp_path / "serve_offline_host_profile.json"
+    serve_offline.main(
+        ["--out", str(out), "--smoke", "--profile-steps", "2", "--profile-kind", "host"]
+    )
+    rows = {row["scenario"]: row for row in json.loads(out.read_text())["rows"]}
+    for label, row in rows.items():
+        assert row["profile"], label
+        for window in row["profile"].values():
+            assert window["steps"] == 2 and window["wall_us_per_step"] > 0
+            # The engine step itself is among our functions, and nothing it calls can take
+            # longer than it does.
+            ours = window["ours_by_total_time"]
+            step = next(v for k, v in ours.items() if k.endswith(" step") and "engine.py" in k)
+            assert step["calls_per_step"] == 1.0
+            assert all(v["total_ms_per_step"] <= step["total_ms_per_step"] for v in ours.values())
+            assert window["by_self_time"]
+
+
 def test_serve_online_smoke(tmp_path: Path) -> None:
     out = tmp_path / "serve_online.json"
     serve_online.main(["--out", str(out), "--smoke"])
