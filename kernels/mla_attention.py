@@ -315,30 +315,3 @@ def mla_prefill_ref(
     )
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v.float()).to(q.dtype)
-
-
-def mla_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int
-) -> torch.Tensor:
-    """GPU path of `mla_prefill_ref` through torch SDPA (flash / memory-efficient kernels).
-
-    V is zero-padded to the query/key head width because the flash backend needs one head
-    width; the padded output columns are dropped.
-    """
-    tq, tk = q.shape[0], k.shape[0]
-    dv = v.shape[-1]
-    if dv < q.shape[-1]:
-        v = torch.nn.functional.pad(v, (0, q.shape[-1] - dv))
-    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, T, D]
-    if offset == 0 and tq == tk:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh, kh, vh, is_causal=True, scale=scale
-        )
-    else:
-        allowed = torch.arange(tk, device=q.device)[None, :] <= (
-            offset + torch.arange(tq, device=q.device)[:, None]
-        )
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=allowed, scale=scale
-        )
-    return out[0].transpose(0, 1)[..., :dv]

@@ -57,6 +57,10 @@ class BatchMetadata:
     query_lens / context_lens_host: host copies for the prefill path's per-sequence loop.
     prefill_groups: [first, end) sequence ranges of the prefill sequences whose cached
         contexts are expanded together (see PREFILL_GROUP_ROWS).
+    context_rows: [Σ prefill contexts] int64 flat cache row of every context position of
+        every prefill sequence, sequence after sequence (decodes have none).
+    context_start_loc: [B + 1] int32 cu_seqlens of those rows per sequence (decodes add 0);
+        context_start_host its host copy, to slice a group's rows.
     lora: which LoRA slot each token uses; None when no sequence uses an adapter.
     """
 
@@ -71,6 +75,9 @@ class BatchMetadata:
     context_lens_host: tuple[int, ...]
     page_size: int
     prefill_groups: tuple[tuple[int, int], ...] = ()
+    context_rows: torch.Tensor | None = None
+    context_start_loc: torch.Tensor | None = None
+    context_start_host: tuple[int, ...] = ()
     lora: LoraBatch | None = None
 
     @property
@@ -124,9 +131,12 @@ def build_batch(
             lora_slot_rank, device, context_lens, groups,
         )  # fmt: skip
 
-    positions, slot_mapping, logits_indices, query_start_loc, context, page_table = _to_device(
-        [*layout, np.array(context_lens, dtype=np.int32), table], device
-    )
+    context_rows, context_start = _context_rows(num_decodes, context_lens, table, page_size)
+    fields = [*layout, np.array(context_lens, dtype=np.int32), table, context_rows, context_start]
+    (
+        positions, slot_mapping, logits_indices, query_start_loc, context, page_table,
+        context_rows_device, context_start_loc,
+    ) = _to_device(fields, device)  # fmt: skip
     return BatchMetadata(
         positions=positions,
         query_start_loc=query_start_loc,
@@ -139,6 +149,9 @@ def build_batch(
         context_lens_host=tuple(context_lens),
         page_size=page_size,
         prefill_groups=groups,
+        context_rows=context_rows_device,
+        context_start_loc=context_start_loc,
+        context_start_host=tuple(context_start.tolist()),
         lora=lora,
     )
 
@@ -181,6 +194,21 @@ def _token_layout(
     wants_logits[starts[1:] - 1] = True
     logits_indices = np.flatnonzero(wants_logits)
     return positions, slot_mapping, logits_indices, starts.astype(np.int32)
+
+
+def _context_rows(
+    num_decodes: int, context_lens: list[int], table: np.ndarray, page_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Flat cache rows [Σ prefill contexts] int64 of the prefill sequences' contexts in
+    position order, and their int32 cu_seqlens [B + 1] per sequence (decodes: empty)."""
+    lengths = np.array(context_lens, dtype=np.int64)
+    lengths[:num_decodes] = 0
+    starts = np.zeros(len(context_lens) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    seq_of_row = np.repeat(np.arange(len(context_lens)), lengths)
+    positions = np.arange(starts[-1]) - np.repeat(starts[:-1], lengths)
+    pages = table[seq_of_row, positions // page_size].astype(np.int64)
+    return pages * page_size + positions % page_size, starts.astype(np.int32)
 
 
 # Each field starts on a 16-byte boundary of the shared buffer, as a tensor of its own

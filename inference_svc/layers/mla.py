@@ -26,16 +26,8 @@ from inference_svc.layers.quant import QuantMethod, UnquantizedMethod
 from inference_svc.layers.rope import RotaryEmbedding
 from inference_svc.lora.apply import add_kv_b_absorbed_o, add_kv_b_absorbed_q
 from inference_svc.model.config import ModelConfig
-from kernels.mla_attention import (
-    gather_paged_rows,
-    mla_decode,
-    mla_decode_ref,
-    mla_prefill,
-    mla_prefill_ref,
-)
-
-# Query rows per prefill attention call: bounds the [H, rows, context] score matrix.
-PREFILL_CHUNK = 2048
+from kernels.mla_attention import mla_decode, mla_decode_ref
+from kernels.mla_prefill import mla_prefill_varlen, mla_prefill_varlen_ref
 
 
 class MLAAttention(nn.Module):
@@ -133,36 +125,21 @@ class MLAAttention(nn.Module):
         return out
 
     def _prefill(self, q_nope, q_rope, batch: BatchMetadata, kv_pool, out: torch.Tensor) -> None:
-        """Naive causal attention of each prefill sequence against its whole cached context;
-        K/V (kv_b with its LoRA delta) expanded for a group of sequences at a time."""
-        attend = mla_prefill if q_nope.is_cuda else mla_prefill_ref
-        q_full = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, n+R]
-        start = batch.num_decode_tokens
+        """Causal attention of the prefill sequences against their whole cached context;
+        K/V (kv_b with its LoRA delta) expanded for a group of sequences at a time, and
+        the group's attention one kernel launch."""
+        attend = mla_prefill_varlen if q_nope.is_cuda else mla_prefill_varlen_ref
+        flat_pool = kv_pool.view(-1, kv_pool.shape[-1])
         for group, (b0, b1) in enumerate(batch.prefill_groups):
-            contexts = batch.context_lens_host[b0:b1]
-            sequences = list(zip(range(b0, b1), contexts, strict=True))
-            rows = torch.cat(
-                [gather_paged_rows(kv_pool, batch.page_table[b], ctx) for b, ctx in sequences]
-            )  # [Σctx, C+R]
+            r0, r1 = batch.context_start_host[b0], batch.context_start_host[b1]
+            rows = flat_pool[batch.context_rows[r0:r1]]  # [Σctx, C+R]
             latent, k_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             lora = batch.lora.context_rows[group] if batch.lora is not None else None
-            kv = self.kv_b(latent.to(q_full.dtype), lora)  # [Σctx, H·(n+v)]
+            kv = self.kv_b(latent.to(q_nope.dtype), lora)  # [Σctx, H·(n+v)]
             kv = kv.view(kv.shape[0], self.num_heads, -1)
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [Σctx, H, n], [.., v]
-            first_row = 0
-            for b, ctx in sequences:
-                own = slice(first_row, first_row + ctx)
-                first_row += ctx
-                k = torch.cat(
-                    [k_nope[own], k_rope[own, None, :].expand(-1, self.num_heads, -1)], dim=-1
-                )  # [ctx, H, n+R]
-                v_own = v[own]  # [ctx, H, v]
-                q_len = batch.query_lens[b]
-                for c0 in range(0, q_len, PREFILL_CHUNK):
-                    c1 = min(q_len, c0 + PREFILL_CHUNK)
-                    offset = ctx - q_len + c0
-                    out[start + c0 : start + c1] = attend(
-                        q_full[start + c0 : start + c1], k[: offset + c1 - c0],
-                        v_own[: offset + c1 - c0], self.scale, offset,
-                    )  # fmt: skip
-                start += q_len
+            attend(
+                q_nope, q_rope, k_nope, k_rope, v, out,
+                batch.query_start_loc, batch.context_start_loc, batch.context_lens, b0, b1,
+                self.scale, max_query_len=max(batch.query_lens[b0:b1]),
+            )  # fmt: skip

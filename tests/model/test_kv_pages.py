@@ -63,6 +63,10 @@ def test_batch_layout_decodes_first():
     assert b.logits_indices.tolist() == [0, 1, 2, 3, 5]
     assert b.page_table.tolist() == [[7, 2], [4, 0], [1, 9]]
     assert b.num_decode_seqs == 1 and b.num_tokens == 6
+    # The prefill sequences' whole contexts (cached prefix included), decodes skipped.
+    assert b.context_rows.tolist() == [16, 17, 18, 4, 5, 6, 7, 36, 37]
+    assert b.context_start_loc.tolist() == [0, 0, 3, 9]
+    assert b.context_start_host == (0, 0, 3, 9)
 
 
 def test_batch_rejects_bad_layouts():

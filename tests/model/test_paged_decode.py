@@ -88,12 +88,12 @@ def test_triton_kernels_in_the_model_match_transformers(tiny_checkpoint, monkeyp
     """The same scenario with the CPU path routed through the Triton launchers (interpreted
     on CPU): checks the kernels' integration (strides, slicing, padding) end to end."""
     from inference_svc.layers import mla as mla_layer
-    from kernels import fp8, mla_attention
+    from kernels import fp8, mla_attention, mla_prefill
     from kernels import fused_moe as fm
 
     decode = functools.partial(mla_attention.mla_decode, variant=mla_variant)
     monkeypatch.setattr(mla_layer, "mla_decode_ref", decode)
-    monkeypatch.setattr(mla_layer, "mla_prefill_ref", mla_attention.mla_prefill)
+    monkeypatch.setattr(mla_layer, "mla_prefill_varlen_ref", mla_prefill.mla_prefill_varlen)
     for name in ("grouped_gemm", "silu_mul", "moe_combine"):
         monkeypatch.setattr(fm, f"{name}_ref", getattr(fm, name))
     monkeypatch.setattr(fp8, "fp8_block_linear_ref", fp8.fp8_block_linear)
