@@ -152,22 +152,28 @@ def _moe_align_kernel(
     tl.store(sorted_ids_ptr + row, pair, mask=in_range)
 
 
-# Largest pair count aligned in one program (registers hold every pair); larger batches
-# (long prefills, outside CUDA graphs) use the torch ops, where per-op cost is amortised.
+# Largest pair count aligned in one program (registers hold every pair). Larger batches
+# (prefill steps) are aligned in chunks of ALIGN_CHUNK_PAIRS pairs by three launches, up to
+# MAX_ALIGN_CHUNKS chunks; beyond that the torch ops, where per-op cost is amortised.
 MAX_SINGLE_PROGRAM_PAIRS = 4096
+ALIGN_CHUNK_PAIRS = 4096
+MAX_ALIGN_CHUNKS = 32
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
-    """Triton version of `moe_align_ref` (same arguments and result) in one launch.
-
-    Beyond MAX_SINGLE_PROGRAM_PAIRS pairs it runs `moe_align_ref` (same result).
+    """Triton version of `moe_align_ref` (same arguments and result): one launch up to
+    MAX_SINGLE_PROGRAM_PAIRS pairs, three (`_moe_align_chunked`) up to MAX_ALIGN_CHUNKS
+    chunks, `moe_align_ref` beyond.
     """
     num_pairs, device = topk_ids.numel(), topk_ids.device
-    if num_pairs == 0 or num_pairs > MAX_SINGLE_PROGRAM_PAIRS:
+    chunked = num_pairs > MAX_SINGLE_PROGRAM_PAIRS
+    if num_pairs == 0 or triton.cdiv(num_pairs, ALIGN_CHUNK_PAIRS) > MAX_ALIGN_CHUNKS:
         return moe_align_ref(topk_ids, num_experts, block_m)
     flat = topk_ids.flatten()
     if flat.stride(0) != 1:
         flat = flat.contiguous()
+    if chunked:
+        return _moe_align_chunked(flat, num_experts, block_m)
     total = max_padded_pairs(num_pairs, num_experts, block_m)
     num_tiles = total // block_m
     sorted_ids = torch.empty(total, dtype=torch.int32, device=device)
@@ -184,6 +190,116 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
         num_warps=8 if block_p >= 1024 else 4,
     )  # fmt: skip
     return MoEAlignment(sorted_ids, block_experts, offsets, counts, block_m, num_pairs)
+
+
+def _moe_align_chunked(flat: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """`moe_align` of more pairs than one program holds: per-chunk expert counts (and the
+    sentinel fill), then one program turns them into run offsets and each chunk's first
+    row per expert, then each chunk sorts its pairs and scatters them. A chunk's pairs land
+    after every earlier chunk's pairs of the same expert, so the order stays stable."""
+    num_pairs, device = flat.numel(), flat.device
+    total = max_padded_pairs(num_pairs, num_experts, block_m)
+    num_tiles = total // block_m
+    num_chunks = triton.cdiv(num_pairs, ALIGN_CHUNK_PAIRS)
+    num_bins = triton.next_power_of_2(num_experts + 1)
+    sorted_ids = torch.empty(total, dtype=torch.int32, device=device)
+    block_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    # Scratch: per chunk and bin its count, its first row, and its in-chunk start.
+    scratch = torch.empty(3, num_chunks, num_bins, dtype=torch.int32, device=device)
+    chunk_counts, chunk_base, chunk_starts = scratch.unbind(0)
+    common = {"CHUNK": ALIGN_CHUNK_PAIRS, "NUM_BINS": num_bins, "num_warps": 8}
+    _moe_chunk_count_kernel[(num_chunks,)](
+        flat, chunk_counts, sorted_ids, num_pairs, num_experts, total, FILL_BLOCK=1024, **common
+    )
+    _moe_chunk_offsets_kernel[(1,)](
+        chunk_counts, chunk_base, block_experts, offsets, counts,
+        num_chunks, num_experts, num_tiles,
+        BLOCK_M=block_m, MAX_CHUNKS=MAX_ALIGN_CHUNKS, TILE_BLOCK=32, **common,
+    )  # fmt: skip
+    _moe_chunk_scatter_kernel[(num_chunks,)](
+        flat, chunk_base, chunk_starts, sorted_ids, num_pairs, num_experts,
+        LOG2_CHUNK=ALIGN_CHUNK_PAIRS.bit_length() - 1, **common,
+    )  # fmt: skip
+    return MoEAlignment(sorted_ids, block_experts, offsets, counts, block_m, num_pairs)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "total"])
+def _moe_chunk_count_kernel(
+    ids_ptr, chunk_counts_ptr, sorted_ids_ptr, num_pairs, num_experts, total,
+    CHUNK: tl.constexpr, NUM_BINS: tl.constexpr, FILL_BLOCK: tl.constexpr,
+):  # fmt: skip
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    real = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=real, other=0).to(tl.int32)
+    expert = tl.where(real, expert, num_experts)  # padding lanes count in bin E
+    bins = tl.arange(0, NUM_BINS)
+    tl.store(chunk_counts_ptr + chunk * NUM_BINS + bins, tl.histogram(expert, NUM_BINS))
+    # This chunk's share of the sentinel fill (the scatter kernel, launched later, overwrites).
+    share = tl.cdiv(total, tl.num_programs(0))
+    for f0 in range(chunk * share, (chunk + 1) * share, FILL_BLOCK):
+        fill = f0 + tl.arange(0, FILL_BLOCK)
+        tl.store(
+            sorted_ids_ptr + fill, num_pairs, mask=(fill < total) & (fill < (chunk + 1) * share)
+        )
+
+
+@triton.jit(do_not_specialize=["num_chunks", "num_tiles"])
+def _moe_chunk_offsets_kernel(
+    chunk_counts_ptr, chunk_base_ptr, block_experts_ptr, offsets_ptr, counts_ptr,
+    num_chunks, num_experts, num_tiles,
+    BLOCK_M: tl.constexpr, MAX_CHUNKS: tl.constexpr, NUM_BINS: tl.constexpr,
+    CHUNK: tl.constexpr, TILE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    chunks = tl.arange(0, MAX_CHUNKS)
+    bins = tl.arange(0, NUM_BINS)
+    is_expert = bins < num_experts
+    cell = chunks[:, None] * NUM_BINS + bins[None, :]
+    live = (chunks < num_chunks)[:, None] & is_expert[None, :]
+    per_chunk = tl.load(chunk_counts_ptr + cell, mask=live, other=0)  # [MAX_CHUNKS, NUM_BINS]
+    counts = tl.sum(per_chunk, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)  # inclusive: end of each expert's padded run
+    earlier_chunks = tl.cumsum(per_chunk, 0) - per_chunk  # same expert, earlier chunks
+    tl.store(chunk_base_ptr + cell, (padded_end - padded)[None, :] + earlier_chunks, mask=live)
+    tl.store(counts_ptr + bins, counts, mask=is_expert)
+    tl.store(offsets_ptr + 1 + bins, padded_end, mask=is_expert)
+    tl.store(offsets_ptr + bins, 0, mask=bins == 0)
+    run_ends = tl.where(is_expert, padded_end, 2147483647)
+    used = tl.max(tl.where(is_expert, padded_end, 0), 0)
+    for t0 in range(0, num_tiles, TILE_BLOCK):
+        tiles = t0 + tl.arange(0, TILE_BLOCK)
+        first_row = tiles * BLOCK_M
+        owner = tl.sum((run_ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(first_row < used, owner, -1)
+        tl.store(block_experts_ptr + tiles, owner, mask=tiles < num_tiles)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_chunk_scatter_kernel(
+    ids_ptr, chunk_base_ptr, chunk_starts_ptr, sorted_ids_ptr, num_pairs, num_experts,
+    CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
+):  # fmt: skip
+    chunk = tl.program_id(0)
+    local = tl.arange(0, CHUNK)
+    real = chunk * CHUNK + local < num_pairs
+    expert = tl.load(ids_ptr + chunk * CHUNK + local, mask=real, other=0).to(tl.int32)
+    expert = tl.where(real, expert, num_experts)
+    counts = tl.histogram(expert, NUM_BINS)
+    bins = tl.arange(0, NUM_BINS)
+    # In-chunk start of each expert's pairs, read back per sorted lane through memory.
+    tl.store(chunk_starts_ptr + chunk * NUM_BINS + bins, tl.cumsum(counts, 0) - counts)
+    tl.debug_barrier()
+    keys = tl.sort(expert * CHUNK + local)  # stable by expert: local ids break ties
+    sorted_expert = keys >> LOG2_CHUNK
+    in_range = sorted_expert < num_experts
+    row_of = chunk * NUM_BINS + sorted_expert
+    start = tl.load(chunk_starts_ptr + row_of, mask=in_range, other=0)
+    base = tl.load(chunk_base_ptr + row_of, mask=in_range, other=0)
+    pair = chunk * CHUNK + (keys & (CHUNK - 1))
+    tl.store(sorted_ids_ptr + base + local - start, pair, mask=in_range)
 
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:

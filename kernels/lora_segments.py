@@ -14,7 +14,6 @@ they describe empty segments / slot -1 tokens, which every kernel skips.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -90,7 +89,10 @@ class LoraSegments:
                 f"slot_rank {tuple(slot_rank.shape)} on {slot_rank.device} does not match the "
                 f"segments' {tuple(self.slot_rank.shape)} on {self.slot_rank.device}"
             )
-        view = copy.copy(self)
+        # A field-for-field copy without copy.copy's reduce protocol: this runs for every
+        # LoRA module of every layer, each step.
+        view = object.__new__(LoraSegments)
+        view.__dict__.update(self.__dict__)
         view.slot_rank = slot_rank
         return view
 

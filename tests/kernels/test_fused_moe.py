@@ -99,10 +99,50 @@ def test_triton_align_equals_ref_on_gpu(tokens, experts, top_k):
         assert torch.equal(getattr(ours, name), getattr(ref, name)), name
 
 
-def test_align_beyond_one_program_uses_torch_ops():
-    ids, _ = routing(fm.MAX_SINGLE_PROGRAM_PAIRS // 2 + 1, 8, 2, "uniform")
+ALIGN_FIELDS = ("sorted_pair_ids", "block_expert_ids", "expert_offsets", "expert_counts")
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "skewed", "one_expert"])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,block_m", [(33, 8, 2, 16), (100, 8, 2, 64), (70, 12, 3, 32)]
+)
+def test_chunked_align_equals_ref_exactly(monkeypatch, pattern, tokens, experts, top_k, block_m):
+    """Above one program's pairs the alignment runs in chunks (made small here: 64 pairs,
+    so 2-5 chunks whose last one is partial); every output equals the torch ops'."""
+    monkeypatch.setattr(fm, "MAX_SINGLE_PROGRAM_PAIRS", 64)
+    monkeypatch.setattr(fm, "ALIGN_CHUNK_PAIRS", 64)
+    ids, _ = routing(tokens, experts, top_k, pattern, seed=tokens)
+    for dtype in (torch.int64, torch.int32):
+        ours = fm.moe_align(ids.to(dtype).to(DEVICE), experts, block_m)
+        ref = fm.moe_align_ref(ids, experts, block_m)
+        for name in ALIGN_FIELDS:
+            got, want = getattr(ours, name).cpu(), getattr(ref, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def test_align_beyond_the_chunk_limit_uses_torch_ops(monkeypatch):
+    monkeypatch.setattr(fm, "MAX_SINGLE_PROGRAM_PAIRS", 16)
+    monkeypatch.setattr(fm, "ALIGN_CHUNK_PAIRS", 16)
+    monkeypatch.setattr(fm, "MAX_ALIGN_CHUNKS", 2)
+    ids, _ = routing(17, 8, 2, "uniform")  # 34 pairs: 3 chunks
+    launched = []
+    monkeypatch.setattr(fm, "_moe_align_chunked", lambda *args: launched.append(args))
     ours, ref = fm.moe_align(ids, 8, 16), fm.moe_align_ref(ids, 8, 16)
+    assert not launched
     assert torch.equal(ours.sorted_pair_ids, ref.sorted_pair_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens,experts,top_k", [(8192, 64, 6), (8300, 256, 8), (700, 64, 6)])
+def test_chunked_align_equals_ref_on_gpu(tokens, experts, top_k):
+    """Prefill-sized steps of V2-Lite and V3 (the chunked path) on CUDA."""
+    ids, _ = routing(tokens, experts, top_k, "uniform", seed=tokens)
+    ids = ids.cuda()
+    block_m = fm.moe_block_m(ids.numel(), experts)
+    ours, ref = fm.moe_align(ids, experts, block_m), fm.moe_align_ref(ids, experts, block_m)
+    for name in ALIGN_FIELDS:
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
 
 
 def test_block_m_grows_with_pairs_per_expert():
