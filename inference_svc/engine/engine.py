@@ -7,6 +7,13 @@ drive `step()` directly. Outputs leave through each sequence's sink.
 A step that raises is retried one sequence at a time, so a request whose step fails is
 finished with an error and the others go on (re-running a sequence rewrites the same KV
 rows, so the retry is exact).
+
+Outputs of sequences without stop strings leave one step late: a step appends each new
+token id and applies the endings that need no text (stop token ids, EOS, length) at once,
+so the next step is scheduled from exact state, but detokenizing and emitting the output
+wait until the next step's model run is launched, and run while the GPU computes it.
+Stop strings need the text to decide whether the sequence ends, so those sequences' outputs
+are made at once.
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ class LLMEngine:
         self.page_size = scheduler.config.page_size
         metrics.kv_pages_total.set(scheduler.config.num_pages)
         metrics.slots_total.set(scheduler.slots.max_loras)
+        # Accepted tokens whose outputs are not made yet: (sequence, token, logprob, the
+        # ending it caused or None), in the order they were sampled.
+        self._pending_outputs: list[tuple[Sequence, int, float, FinishReason | None]] = []
 
     # -- requests -------------------------------------------------------------------------
 
@@ -91,6 +101,7 @@ class LLMEngine:
         seq = self.scheduler.get(request_id)
         if seq is None:
             return False
+        self._flush_outputs()  # the tokens it was already given leave before the cancel
         self._finish(seq, FinishReason.CANCELLED)
         self._emit(seq, SequenceOutput(request_id, [], "", [], None, FinishReason.CANCELLED))
         return True
@@ -99,7 +110,7 @@ class LLMEngine:
         self.scheduler.prefetch(ticket)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._pending_outputs)
 
     def fail_all(self, error: LoraserveError) -> None:
         """Last resort after a scheduler bug: end every request with `error`."""
@@ -114,6 +125,7 @@ class LLMEngine:
         for seq, error in out.failed:
             self._emit_error(seq, error)
         if not out.scheduled:
+            self._flush_outputs()
             self._update_gauges()
             return 0
         num_tokens = out.num_tokens  # a sum over the scheduled sequences: computed once
@@ -123,7 +135,9 @@ class LLMEngine:
         self.metrics.batch_seqs.observe(len(out.scheduled))
         adapters = {s.seq.adapter_key for s in out.scheduled} - {None}
         self.metrics.batch_adapters.observe(len(adapters))
-        self._postprocess(self._run(out.scheduled))
+        runs = self._run(out.scheduled)
+        self._flush_outputs()  # the previous step's outputs, while the GPU runs this one
+        self._postprocess(runs)
         self._update_gauges()
         return num_tokens
 
@@ -198,7 +212,11 @@ class LLMEngine:
         token_ids, logprobs = drawn.to_lists()
         for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
             try:
-                self._append_token(seq, token, logprob)
+                if seq.params.stop:
+                    self._append_token(seq, token, logprob)
+                else:
+                    reason = self._accept_token(seq, token)
+                    self._pending_outputs.append((seq, token, logprob, reason))
             except Exception as exc:
                 self._fail_step(seq, exc)
 
@@ -221,7 +239,12 @@ class LLMEngine:
         logprobs = torch.log_softmax(picked, dim=-1).gather(1, targets[:, None]).squeeze(1)
         seq.prompt_logprobs.extend(logprobs.tolist())
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _accept_token(
+        self, seq: Sequence, token: int, stopped: bool = False
+    ) -> FinishReason | None:
+        """What a new token changes for scheduling: its timings, its id appended, and the
+        endings that need no text (or `stopped`: a stop string in the text); the sequence
+        is finished at once on one, which is returned."""
         now = time.monotonic()
         if seq.first_token_s is None:
             seq.first_token_s = now
@@ -230,10 +253,8 @@ class LLMEngine:
             self.metrics.itl.observe(now - (seq.last_token_s or now))
         seq.last_token_s = now
         seq.output_token_ids.append(token)
-
-        delta = seq.detokenizer.add([token])
         reason = None
-        if delta.stopped or token in seq.params.stop_token_ids:
+        if stopped or token in seq.params.stop_token_ids:
             reason = FinishReason.STOP
         elif token in seq.eos_token_ids:
             reason = FinishReason.EOS
@@ -242,12 +263,47 @@ class LLMEngine:
             or seq.num_tokens >= self.scheduler.config.max_model_len
         ):
             reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(seq, reason)
+        return reason
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float) -> None:
+        """A sequence with stop strings: its text decides whether it ends, so the text is
+        made, and the output emitted, now."""
+        delta = seq.detokenizer.add([token])
+        reason = self._accept_token(seq, token, delta.stopped)
         text = delta.text
         if reason is not None and not delta.stopped:
             text += seq.detokenizer.finish()
-        if reason is not None:
-            self._finish(seq, reason)
-        output = SequenceOutput(
+        self._emit(seq, self._token_output(seq, token, text, logprob, reason))
+
+    def _flush_outputs(self) -> None:
+        """Detokenize and emit the accepted tokens whose outputs wait (see the module
+        docstring), in order."""
+        pending, self._pending_outputs = self._pending_outputs, []
+        for seq, token, logprob, reason in pending:
+            try:
+                text = seq.detokenizer.add([token]).text
+                if reason is not None:
+                    text += seq.detokenizer.finish()
+                self._emit(seq, self._token_output(seq, token, text, logprob, reason))
+            except Exception as exc:
+                if seq.is_finished:
+                    log.error("output of request %s failed", seq.request_id, exc_info=exc)
+                    self._emit_error(
+                        seq,
+                        RequestFailed(
+                            f"request {seq.request_id} failed "
+                            f"making its output ({type(exc).__name__})"
+                        ),
+                    )
+                else:
+                    self._fail_step(seq, exc)
+
+    def _token_output(
+        self, seq: Sequence, token: int, text: str, logprob: float, reason: FinishReason | None
+    ) -> SequenceOutput:
+        return SequenceOutput(
             seq.request_id,
             [token],
             text,
@@ -255,7 +311,6 @@ class LLMEngine:
             self._take_prompt_logprobs(seq),
             reason,
         )
-        self._emit(seq, output)
 
     def _take_prompt_logprobs(self, seq: Sequence) -> list[float] | None:
         if not seq.params.prompt_logprobs or seq.prompt_logprobs_sent:
@@ -284,6 +339,7 @@ class LLMEngine:
         self._emit_error(seq, error)
 
     def _emit_error(self, seq: Sequence, error: LoraserveError) -> None:
+        self._flush_outputs()  # tokens it was already given leave first
         output = SequenceOutput(seq.request_id, [], "", [], None, FinishReason.ERROR, error)
         self._emit(seq, output)
 
