@@ -20,6 +20,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OUR_PACKAGES = ("inference_svc", "kernels", "adapter_store")
 TOP = 30
+CALLEE_PARENTS = 12  # our functions of largest total time whose callees are listed
 
 
 def _label(func: tuple[str, int, str]) -> str:
@@ -87,4 +88,25 @@ class HostProfile:
             "python_calls_per_step": round(sum(s[1] for s in stats.values()) / steps),
             "by_self_time": rows(2, lambda func: True),
             "ours_by_total_time": rows(3, _is_ours),
+            "callees": _callees(stats, _largest_ours(stats)[:CALLEE_PARENTS], steps),
         }
+
+
+def _largest_ours(stats: dict) -> list[tuple[str, int, str]]:
+    """Our functions, largest total time first."""
+    return sorted((f for f in stats if _is_ours(f)), key=lambda f: stats[f][3], reverse=True)
+
+
+def _callees(stats: dict, parents: list, steps: int) -> dict[str, dict[str, float]]:
+    """For each parent function: ms per step spent in each function it calls directly
+    (pstats keeps callers per function; inverted here), largest first."""
+    wanted = set(parents)
+    found: dict[tuple, dict[str, float]] = {parent: {} for parent in parents}
+    for func, (*_, callers) in stats.items():
+        for caller, (_, _, _, cumtime) in callers.items():
+            if caller in wanted:
+                found[caller][_label(func)] = round(cumtime * 1e3 / steps, 2)
+    return {
+        _label(parent): dict(sorted(calls.items(), key=lambda kv: kv[1], reverse=True)[:TOP])
+        for parent, calls in found.items()
+    }

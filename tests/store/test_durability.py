@@ -198,9 +198,21 @@ def test_redis_down_is_unavailable_then_recovers(
                     time.sleep(0.2)
             else:
                 pytest.fail("the store did not recover after Redis came back")
-            assert (
-                stub.UploadAdapter(upload_requests(peft_dirs[1], "tough"), timeout=60).version == 2
-            )
+            # A record can be readable before the rebuild has finished (it marks the index
+            # ready last); until then uploads answer UNAVAILABLE "retry shortly", as a
+            # client would, so retry those within the same bound.
+            while True:
+                try:
+                    upload = stub.UploadAdapter(upload_requests(peft_dirs[1], "tough"), timeout=60)
+                    break
+                except grpc.RpcError as error:
+                    rebuilding = error.code() == grpc.StatusCode.UNAVAILABLE and (
+                        "being rebuilt" in (error.details() or "")
+                    )
+                    if not rebuilding or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            assert upload.version == 2
     finally:
         store.stop()
         redis_server.stop()
