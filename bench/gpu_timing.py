@@ -68,15 +68,21 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def kernel_bench_args(doc: str | None, argv: list[str] | None) -> tuple[Path, torch.device]:
-    """`--out JSON` and `--smoke` (CPU, tiny, interpreted) of a kernel bench: (out, device)."""
+def kernel_bench_args(
+    doc: str | None, argv: list[str] | None, flags: dict[str, str] | None = None
+) -> tuple:
+    """`--out JSON` and `--smoke` (CPU, tiny, interpreted) of a kernel bench: (out, device),
+    followed by the value of each extra boolean flag in `flags` ({"--name": help})."""
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny, interpreted")
+    for flag, help_text in (flags or {}).items():
+        parser.add_argument(flag, action="store_true", help=help_text)
     args = parser.parse_args(argv)
-    return args.out, torch.device("cpu" if args.smoke else "cuda")
+    extra = [getattr(args, flag.lstrip("-").replace("-", "_")) for flag in flags or {}]
+    return (args.out, torch.device("cpu" if args.smoke else "cuda"), *extra)
 
 
 def run_meta(benchmark: str, device: torch.device, started: float, **extra: object) -> dict:

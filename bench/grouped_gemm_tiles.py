@@ -8,7 +8,13 @@ down: N 2048, K 1408; 64 experts, top-6 routing) at 8192 and 512 tokens, bf16 an
 block-scaled, checks every plan's output against the current plan's, and reports
 TFLOP/s and the speed-up over the current plan. No model, no engine.
 
+`--decode` times decode batches instead (64, 128 and 256 tokens, the row tile the model
+picks for each, column/K tile plans around the current 64 × 64) and adds each row's
+achieved weight bandwidth: the distinct experts' weight bytes (and FP8 scales) over the
+time, against the device's measured copy bandwidth — a decode GEMM's floor is that read.
+
     python3 -m bench.grouped_gemm_tiles --out bench/results/grouped_gemm_tiles.json
+    python3 -m bench.grouped_gemm_tiles --decode --out bench/results/grouped_gemm_decode.json
     python -m bench.grouped_gemm_tiles --out /tmp/tiles.json --smoke   # CPU, interpreted
 """
 
@@ -20,7 +26,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bench.gpu_timing import bar_plot, kernel_bench_args, run_meta, time_ms, write_json
+from bench.gpu_timing import (
+    bar_plot,
+    copy_bandwidth,
+    kernel_bench_args,
+    run_meta,
+    time_ms,
+    write_json,
+)
 from kernels import fused_moe as fm
 from kernels.fp8 import block_quant_ref
 
@@ -59,6 +72,20 @@ PLANS = [
 ]
 
 
+# Decode: the row tile is the model's (`moe_block_m`); column/K tiles, warps and stages
+# vary. FP8 block scales need K tiles of at most the 128-wide scale block.
+DECODE_TILES = [
+    fm.GemmTiles(64, 64, 4, 3),
+    fm.GemmTiles(64, 128, 4, 3),
+    fm.GemmTiles(64, 128, 4, 4),
+    fm.GemmTiles(128, 128, 4, 3),
+    fm.GemmTiles(128, 128, 8, 4),
+    fm.GemmTiles(32, 128, 4, 4),
+    fm.GemmTiles(64, 64, 4, 5),
+    fm.GemmTiles(128, 64, 4, 4),
+]
+
+
 def plan_label(block_m: int, tiles: fm.GemmTiles) -> str:
     t = tiles
     return f"m{block_m} n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages}"
@@ -76,16 +103,31 @@ def make_weights(experts: int, n: int, k: int, scheme: str, device: torch.device
 
 
 def run(shapes: ExpertShapes, tokens_list: list[int], schemes: list[str], plans, device, rep):
+    """plans: [(row tile, tiles)], or a list of tiles to run with the model's row tile for
+    each token count (decode)."""
     rows = []
     for scheme in schemes:
         for name, n, k, rows_per_a in shapes.gemms():
             weight, scale, block = make_weights(shapes.experts, n, k, scheme, device)
             for tokens in tokens_list:
                 case = {"scheme": scheme, "gemm": name, "tokens": tokens}
+                planned = plans
+                if isinstance(plans[0], fm.GemmTiles):
+                    block_m = fm.moe_block_m(tokens * shapes.top_k, shapes.experts)
+                    planned = [(block_m, tiles) for tiles in plans]
                 rows += time_plans(
-                    shapes, case, weight, scale, block, rows_per_a, plans, device, rep
+                    shapes, case, weight, scale, block, rows_per_a, planned, device, rep
                 )
     return rows
+
+
+def weight_bytes_read(ids: torch.Tensor, weight: torch.Tensor, scale) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of the experts the routing touches (each read once at best), scales included."""
+    distinct = int(ids.unique().numel())
+    per_expert = weight[0].numel() * weight.element_size()
+    if scale is not None:
+        per_expert += scale[0].numel() * scale.element_size()
+    return distinct * per_expert
 
 
 def time_plans(
@@ -99,6 +141,7 @@ def time_plans(
     a_rows = tokens if rows_per_a == top_k else tokens * top_k
     a = (torch.randn(a_rows, k, device=device) * 0.5).to(dtype)  # [rows, K]
     flops = 2 * tokens * top_k * n * k
+    weight_bytes = weight_bytes_read(ids, weight, scale)
     rows, baseline, baseline_ms = [], None, None
     for block_m, tiles in plans:
         align = fm.moe_align(ids, experts, block_m)
@@ -117,34 +160,46 @@ def time_plans(
             **asdict(tiles),
             "ms": ms,
             "tflops": flops / (ms * 1e-3) / 1e12,
+            "weight_gb_per_s": weight_bytes / (ms * 1e-3) / 1e9,
             "speedup_vs_current": baseline_ms / ms,
             "max_rel_diff_vs_current": error,
         }
         rows.append(row)
         print(
             f"{case['scheme']:5s} {case['gemm']:8s} T{tokens:5d} {row['plan']:24s} "
-            f"{ms:8.3f} ms {row['tflops']:6.0f} TFLOP/s ×{row['speedup_vs_current']:.2f} "
+            f"{ms:8.3f} ms {row['tflops']:6.0f} TFLOP/s {row['weight_gb_per_s']:6.0f} GB/s "
+            f"×{row['speedup_vs_current']:.2f} "
             f"diff {error:.1e}"
         )
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    out, device = kernel_bench_args(__doc__, argv)
+    out, device, decode = kernel_bench_args(__doc__, argv, flags={"--decode": "decode batches"})
     smoke = device.type == "cpu"
     started = time.perf_counter()
-    tokens = [4] if smoke else [8192, 512]
     schemes = ["bf16"] if smoke else ["bf16", "fp8"]
-    plans = [PLANS[0], PLANS[2], PLANS[6]] if smoke else PLANS  # both row tiles
     shapes = SMOKE_SHAPES if smoke else ExpertShapes()
+    if decode:
+        tokens = [4] if smoke else [64, 128, 256]
+        plans = DECODE_TILES[:2] if smoke else DECODE_TILES
+    else:
+        tokens = [4] if smoke else [8192, 512]
+        plans = [PLANS[0], PLANS[2], PLANS[6]] if smoke else PLANS  # both row tiles
     rows = run(shapes, tokens, schemes, plans, device, rep=50)
-    meta = run_meta("grouped_gemm_tiles", device, started, shapes=asdict(shapes))
+    extra = {"copy_gb_per_s": copy_bandwidth(device) / 1e9} if decode else {}
+    meta = run_meta("grouped_gemm_tiles", device, started, shapes=asdict(shapes), **extra)
+    if decode:
+        for row in rows:
+            row["fraction_of_copy_bw"] = row["weight_gb_per_s"] / extra["copy_gb_per_s"]
     write_json(out, meta, rows)
+    # Prefill plans by FLOP rate; decode plans by the weight bandwidth they reach.
+    measure, unit = ("weight_gb_per_s", "weight GB/s") if decode else ("tflops", "TFLOP/s")
     big = [r for r in rows if r["tokens"] == max(tokens)]
-    labels = sorted({r["plan"] for r in big}, key=[plan_label(m, t) for m, t in plans].index)
+    labels = list(dict.fromkeys(r["plan"] for r in big))  # in the order the plans ran
     series = {
         f"{s} {g}": [
-            next(r["tflops"] for r in big if r["plan"] == p and r["scheme"] == s and r["gemm"] == g)
+            next(r[measure] for r in big if r["plan"] == p and r["scheme"] == s and r["gemm"] == g)
             for p in labels
         ]
         for s in schemes
@@ -155,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         f"grouped GEMM tile plans, {max(tokens)} tokens",
         labels,
         series,
-        "TFLOP/s",
+        unit,
     )
 
 

@@ -153,27 +153,31 @@ def _moe_align_kernel(
 
 
 # Largest pair count aligned in one program (registers hold every pair). Larger batches
-# (prefill steps) are aligned in chunks of ALIGN_CHUNK_PAIRS pairs by three launches, up to
-# MAX_ALIGN_CHUNKS chunks; beyond that the torch ops, where per-op cost is amortised.
+# (prefill steps) are aligned in chunks by three launches: chunks of ALIGN_CHUNK_PAIRS
+# pairs (more, up to ALIGN_MAX_CHUNK_PAIRS, when the chunk count would pass what the offsets
+# program holds: ALIGN_CELLS chunk × expert-bin counts); beyond that the torch ops.
+# Smaller chunks sort faster (each program sorts its chunk): 1024-pair chunks for V2-Lite's
+# 64 experts, 2048 for V3's 256 at an 8192-token step.
 MAX_SINGLE_PROGRAM_PAIRS = 4096
-ALIGN_CHUNK_PAIRS = 4096
-MAX_ALIGN_CHUNKS = 32
+ALIGN_CHUNK_PAIRS = 1024
+ALIGN_MAX_CHUNK_PAIRS = 4096
+ALIGN_CELLS = 16384
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """Triton version of `moe_align_ref` (same arguments and result): one launch up to
-    MAX_SINGLE_PROGRAM_PAIRS pairs, three (`_moe_align_chunked`) up to MAX_ALIGN_CHUNKS
-    chunks, `moe_align_ref` beyond.
+    MAX_SINGLE_PROGRAM_PAIRS pairs, three (`_moe_align_chunked`) while `_align_chunk`
+    finds a chunk size, `moe_align_ref` beyond.
     """
     num_pairs, device = topk_ids.numel(), topk_ids.device
-    chunked = num_pairs > MAX_SINGLE_PROGRAM_PAIRS
-    if num_pairs == 0 or triton.cdiv(num_pairs, ALIGN_CHUNK_PAIRS) > MAX_ALIGN_CHUNKS:
+    chunk = _align_chunk(num_pairs, num_experts) if num_pairs > MAX_SINGLE_PROGRAM_PAIRS else 0
+    if num_pairs == 0 or chunk is None:
         return moe_align_ref(topk_ids, num_experts, block_m)
     flat = topk_ids.flatten()
     if flat.stride(0) != 1:
         flat = flat.contiguous()
-    if chunked:
-        return _moe_align_chunked(flat, num_experts, block_m)
+    if chunk:
+        return _moe_align_chunked(flat, num_experts, block_m, chunk)
     total = max_padded_pairs(num_pairs, num_experts, block_m)
     num_tiles = total // block_m
     sorted_ids = torch.empty(total, dtype=torch.int32, device=device)
@@ -192,7 +196,23 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     return MoEAlignment(sorted_ids, block_experts, offsets, counts, block_m, num_pairs)
 
 
-def _moe_align_chunked(flat: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+def _align_bins(num_experts: int) -> int:
+    return triton.next_power_of_2(num_experts + 1)  # bin E counts the padding lanes
+
+
+def _align_chunk(num_pairs: int, num_experts: int) -> int | None:
+    """Pairs per chunk of the chunked alignment, None when even the largest chunks are
+    too many for the offsets program."""
+    max_chunks = ALIGN_CELLS // _align_bins(num_experts)
+    chunk = ALIGN_CHUNK_PAIRS
+    while triton.cdiv(num_pairs, chunk) > max_chunks and chunk < ALIGN_MAX_CHUNK_PAIRS:
+        chunk *= 2
+    return chunk if triton.cdiv(num_pairs, chunk) <= max_chunks else None
+
+
+def _moe_align_chunked(
+    flat: torch.Tensor, num_experts: int, block_m: int, chunk: int
+) -> MoEAlignment:
     """`moe_align` of more pairs than one program holds: per-chunk expert counts (and the
     sentinel fill), then one program turns them into run offsets and each chunk's first
     row per expert, then each chunk sorts its pairs and scatters them. A chunk's pairs land
@@ -200,8 +220,8 @@ def _moe_align_chunked(flat: torch.Tensor, num_experts: int, block_m: int) -> Mo
     num_pairs, device = flat.numel(), flat.device
     total = max_padded_pairs(num_pairs, num_experts, block_m)
     num_tiles = total // block_m
-    num_chunks = triton.cdiv(num_pairs, ALIGN_CHUNK_PAIRS)
-    num_bins = triton.next_power_of_2(num_experts + 1)
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    num_bins = _align_bins(num_experts)
     sorted_ids = torch.empty(total, dtype=torch.int32, device=device)
     block_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
@@ -209,18 +229,18 @@ def _moe_align_chunked(flat: torch.Tensor, num_experts: int, block_m: int) -> Mo
     # Scratch: per chunk and bin its count, its first row, and its in-chunk start.
     scratch = torch.empty(3, num_chunks, num_bins, dtype=torch.int32, device=device)
     chunk_counts, chunk_base, chunk_starts = scratch.unbind(0)
-    common = {"CHUNK": ALIGN_CHUNK_PAIRS, "NUM_BINS": num_bins, "num_warps": 8}
+    common = {"CHUNK": chunk, "NUM_BINS": num_bins, "num_warps": 8}
     _moe_chunk_count_kernel[(num_chunks,)](
         flat, chunk_counts, sorted_ids, num_pairs, num_experts, total, FILL_BLOCK=1024, **common
     )
     _moe_chunk_offsets_kernel[(1,)](
         chunk_counts, chunk_base, block_experts, offsets, counts,
         num_chunks, num_experts, num_tiles,
-        BLOCK_M=block_m, MAX_CHUNKS=MAX_ALIGN_CHUNKS, TILE_BLOCK=32, **common,
+        BLOCK_M=block_m, MAX_CHUNKS=ALIGN_CELLS // num_bins, TILE_BLOCK=32, **common,
     )  # fmt: skip
     _moe_chunk_scatter_kernel[(num_chunks,)](
         flat, chunk_base, chunk_starts, sorted_ids, num_pairs, num_experts,
-        LOG2_CHUNK=ALIGN_CHUNK_PAIRS.bit_length() - 1, **common,
+        LOG2_CHUNK=chunk.bit_length() - 1, **common,
     )  # fmt: skip
     return MoEAlignment(sorted_ids, block_experts, offsets, counts, block_m, num_pairs)
 
@@ -488,10 +508,15 @@ PREFILL_TILES = {
 }
 
 
+# Up to 64-row tiles by scheme where a plan beat DEFAULT_TILES at decode batches
+# (`bench.grouped_gemm_tiles --decode`); the rest keep DEFAULT_TILES.
+DECODE_TILES: dict[str, GemmTiles] = {}
+
+
 def default_tiles(block_m: int, scheme: str) -> GemmTiles:
     if block_m >= 128:
         return PREFILL_TILES.get(scheme, DEFAULT_TILES)
-    return DEFAULT_TILES
+    return DECODE_TILES.get(scheme, DEFAULT_TILES)
 
 
 def grouped_gemm(

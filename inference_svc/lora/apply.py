@@ -93,11 +93,16 @@ def start_linear_lora(
         )
     # Allocated on the current stream, which waits for the side stream before it frees y.
     y = torch.empty(x.shape[0], weights.a.shape[1], dtype=torch.float32, device=x.device)
+    segments = weights.segments(segs)
     side = lora_side_stream(x.device) if x.shape[0] <= SIDE_STREAM_MAX_TOKENS else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side):  # None: the current stream
-        sgmv_shrink(x, weights.a, weights.segments(segs), num_slices, out=y)
+    if side is None:
+        # No stream context at all: entering one (even for the current stream) costs host
+        # time in every module of a long step.
+        sgmv_shrink(x, weights.a, segments, num_slices, out=y)
+        return PendingLinearLora(y, None)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        sgmv_shrink(x, weights.a, segments, num_slices, out=y)
     return PendingLinearLora(y, side)
 
 

@@ -19,3 +19,16 @@ def test_every_plan_matches_the_current_plan(tmp_path: Path) -> None:
         assert row["max_rel_diff_vs_current"] <= 1e-5, row  # fp32 on the CPU
         assert row["ms"] > 0 and row["tflops"] > 0
     assert out.with_suffix(".png").exists()
+
+
+def test_decode_plans_use_the_models_row_tile_and_report_bandwidth(tmp_path: Path) -> None:
+    out = tmp_path / "tiles_decode.json"
+    grouped_gemm_tiles.main(["--out", str(out), "--smoke", "--decode"])
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert len(rows) == 2 * 2  # two tile plans × (gate_up, down)
+    assert {row["block_m"] for row in rows} == {16}  # moe_block_m of 4 tokens
+    assert result["meta"]["copy_gb_per_s"] > 0
+    for row in rows:
+        assert row["max_rel_diff_vs_current"] <= 1e-5, row
+        assert row["weight_gb_per_s"] > 0 and row["fraction_of_copy_bw"] > 0

@@ -111,6 +111,7 @@ def test_chunked_align_equals_ref_exactly(monkeypatch, pattern, tokens, experts,
     so 2-5 chunks whose last one is partial); every output equals the torch ops'."""
     monkeypatch.setattr(fm, "MAX_SINGLE_PROGRAM_PAIRS", 64)
     monkeypatch.setattr(fm, "ALIGN_CHUNK_PAIRS", 64)
+    monkeypatch.setattr(fm, "ALIGN_MAX_CHUNK_PAIRS", 64)
     ids, _ = routing(tokens, experts, top_k, pattern, seed=tokens)
     for dtype in (torch.int64, torch.int32):
         ours = fm.moe_align(ids.to(dtype).to(DEVICE), experts, block_m)
@@ -120,11 +121,17 @@ def test_chunked_align_equals_ref_exactly(monkeypatch, pattern, tokens, experts,
             assert got.dtype == want.dtype and torch.equal(got, want), name
 
 
-def test_align_beyond_the_chunk_limit_uses_torch_ops(monkeypatch):
+def test_chunks_grow_to_fit_the_offsets_program_then_torch_ops(monkeypatch):
+    # V2-Lite (64 experts: 128 bins, 128 chunks) and V3 (256 experts: 512 bins, 32 chunks).
+    assert fm._align_chunk(8192 * 6, 64) == 1024
+    assert fm._align_chunk(8192 * 8, 256) == 2048
+    assert fm._align_chunk(32 * 4096 + 1, 256) is None
     monkeypatch.setattr(fm, "MAX_SINGLE_PROGRAM_PAIRS", 16)
-    monkeypatch.setattr(fm, "ALIGN_CHUNK_PAIRS", 16)
-    monkeypatch.setattr(fm, "MAX_ALIGN_CHUNKS", 2)
-    ids, _ = routing(17, 8, 2, "uniform")  # 34 pairs: 3 chunks
+    monkeypatch.setattr(fm, "ALIGN_CHUNK_PAIRS", 8)
+    monkeypatch.setattr(fm, "ALIGN_MAX_CHUNK_PAIRS", 16)
+    monkeypatch.setattr(fm, "ALIGN_CELLS", 32)  # 16 bins for 8 experts: 2 chunks at most
+    assert fm._align_chunk(30, 8) == 16
+    ids, _ = routing(17, 8, 2, "uniform")  # 34 pairs: 3 chunks even of 16
     launched = []
     monkeypatch.setattr(fm, "_moe_align_chunked", lambda *args: launched.append(args))
     ours, ref = fm.moe_align(ids, 8, 16), fm.moe_align_ref(ids, 8, 16)
