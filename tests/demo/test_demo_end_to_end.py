@@ -53,6 +53,12 @@ async def stored_adapters(address: str):
 def state_dir(tmp_path: Path):
     state = tmp_path / "demo-state"
     yield state
+    # `--down` removes the state directory, logs included (services', Redis's, SeaweedFS's):
+    # print their tails first, so a failure's report ("Captured stdout teardown") says what
+    # each server saw.
+    for log in sorted(state.rglob("*.log")) if state.exists() else []:
+        lines = log.read_text(errors="replace").splitlines()
+        print(f"--- {log.name} (last 40 of {len(lines)} lines)", *lines[-40:], sep="\n")
     if state.exists():  # a failed test must not leave servers behind
         run_demo(state, "--down")
 
