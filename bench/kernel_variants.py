@@ -42,16 +42,11 @@ PATCHES = {
     ),  # fmt: skip
     # The v2 kernel at every head count (v3 became the default for ≤ 32 heads).
     "mla_v3": (mla_layer, "mla_decode", functools.partial(mla_decode, variant="v2")),
+    # 64 × 64 column/K tiles at every decode row tile and scheme (before DECODE_TILES).
+    "decode_tiles": (fm, "DECODE_TILES", {}),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
-# Decode tile plans of the routed experts' grouped GEMM, per weight scheme ("block": FP8
-# block-scaled, "float": bf16), as `fused_moe.DECODE_TILES` would hold them.
-UPGRADES: dict[str, tuple] = {
-    "fp8_k128": (fm, "DECODE_TILES", {"block": fm.GemmTiles(64, 128, 4, 4)}),
-    "fp8_n128_k128": (fm, "DECODE_TILES", {"block": fm.GemmTiles(128, 128, 4, 3)}),
-    "fp8_n32_k128": (fm, "DECODE_TILES", {"block": fm.GemmTiles(32, 128, 4, 4)}),
-    "bf16_k128": (fm, "DECODE_TILES", {"float": fm.GemmTiles(64, 128, 4, 4)}),
-}
+UPGRADES: dict[str, tuple] = {}
 VARIANTS: dict[str, frozenset[str]] = {
     "v1": frozenset(PATCHES),
     "v2": frozenset(),

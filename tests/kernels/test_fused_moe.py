@@ -160,6 +160,10 @@ def test_block_m_grows_with_pairs_per_expert():
     assert [fm.moe_block_m(t * 6, 64) for t in (512, 900, 911, 8192)] == [64, 64, 128, 128]
     assert fm.default_tiles(128, "float") == fm.PREFILL_TILES["float"]
     assert fm.default_tiles(64, "float") == fm.default_tiles(128, "w8a8") == fm.GemmTiles()
+    # Decode row tiles take the per-scheme plans measured faster, others the default.
+    assert fm.default_tiles(16, "block") == fm.DECODE_TILES["block"][16]
+    assert fm.default_tiles(32, "float").block_k == 128
+    assert fm.default_tiles(16, "w8a8") == fm.default_tiles(16, "int4_group") == fm.GemmTiles()
 
 
 def make_experts(experts, n, k, dtype, seed, fp8_block=None):
