@@ -9,7 +9,7 @@ block-scaled, checks every plan's output against the current plan's, and reports
 TFLOP/s and the speed-up over the current plan. No model, no engine.
 
 `--decode` times decode batches instead (64, 128 and 256 tokens, the row tile the model
-picks for each, column/K tile plans around the current 64 × 64) and adds each row's
+picks for each and half of it, column/K tile plans around 64 × 64) and adds each row's
 achieved weight bandwidth: the distinct experts' weight bytes (and FP8 scales) over the
 time, against the device's measured copy bandwidth — a decode GEMM's floor is that read.
 
@@ -113,8 +113,11 @@ def run(shapes: ExpertShapes, tokens_list: list[int], schemes: list[str], plans,
                 case = {"scheme": scheme, "gemm": name, "tokens": tokens}
                 planned = plans
                 if isinstance(plans[0], fm.GemmTiles):
+                    # The model's row tile, and half of it (fewer padded rows, more tiles
+                    # re-reading an expert's weights when its pairs overflow one).
                     block_m = fm.moe_block_m(tokens * shapes.top_k, shapes.experts)
-                    planned = [(block_m, tiles) for tiles in plans]
+                    row_tiles = [block_m] + ([block_m // 2] if block_m > 16 else [])
+                    planned = [(m, tiles) for m in row_tiles for tiles in plans]
                 rows += time_plans(
                     shapes, case, weight, scale, block, rows_per_a, planned, device, rep
                 )
