@@ -9,7 +9,8 @@ block-scaled, checks every plan's output against the current plan's, and reports
 TFLOP/s and the speed-up over the current plan. No model, no engine.
 
 `--decode` times decode batches instead (64, 128 and 256 tokens, the row tile the model
-picks for each and half of it, column/K tile plans around 64 × 64) and adds each row's
+picks for bf16 experts and half of it, which FP8 experts take at these sizes; column/K tile
+plans around 64 × 64) and adds each row's
 achieved weight bandwidth: the distinct experts' weight bytes (and FP8 scales) over the
 time, against the device's measured copy bandwidth — a decode GEMM's floor is that read.
 

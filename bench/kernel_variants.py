@@ -44,6 +44,8 @@ PATCHES = {
     "mla_v3": (mla_layer, "mla_decode", functools.partial(mla_decode, variant="v2")),
     # 64 × 64 column/K tiles at every decode row tile and scheme (before DECODE_TILES).
     "decode_tiles": (fm, "DECODE_TILES", {}),
+    # FP8 experts with the bf16 row tiles at decode (before FP8_HALF_ROWS_MAX_PAIRS).
+    "fp8_rows": (fm, "FP8_HALF_ROWS_MAX_PAIRS", 0),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {}

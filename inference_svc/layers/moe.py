@@ -146,7 +146,8 @@ class MoE(nn.Module):
         w13, w2 = self.experts.quant_info()
         triton_path = x.is_cuda
         num_experts = self.experts.num_experts
-        block_m = fm.moe_block_m(topk_ids.numel(), num_experts)
+        scheme = fm.weight_scheme(w13.scheme, w13.scale)
+        block_m = fm.moe_block_m(topk_ids.numel(), num_experts, scheme)
         align = (fm.moe_align if triton_path else fm.moe_align_ref)(topk_ids, num_experts, block_m)
         gemm = fm.grouped_gemm if triton_path else fm.grouped_gemm_ref
         top_k = topk_ids.shape[1]

@@ -156,6 +156,10 @@ def test_block_m_grows_with_pairs_per_expert():
     # V2-Lite decode (64 experts, top-6): one 16-row tile per expert up to B=64.
     assert [fm.moe_block_m(b * 6, 64) for b in (1, 8, 64, 128, 256)] == [16, 16, 16, 32, 64]
     assert fm.moe_block_m(256 * 8, 256) == 16  # V3 decode B=256: 8 pairs per expert
+    # FP8 block-scaled experts take half the row tile at decode batches only.
+    fp8 = [fm.moe_block_m(b * 6, 64, "block") for b in (1, 64, 128, 256, 512)]
+    assert fp8 == [16, 16, 16, 32, 64]
+    assert fm.moe_block_m(256 * 6, 64, "w8a8") == 64
     # Prefill: 64 rows up to ~85 pairs per expert, then 128 (with the long-prefill tiles).
     assert [fm.moe_block_m(t * 6, 64) for t in (512, 900, 911, 8192)] == [64, 64, 128, 128]
     assert fm.default_tiles(128, "float") == fm.PREFILL_TILES["float"]
