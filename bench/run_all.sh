@@ -11,7 +11,10 @@
 # (cold-adapter probes on an idle engine), model_decode_fp8, grouped_gemm_tiles (expert GEMM
 # tile plans at prefill shapes), copy_contention (a step's copy beside a slot load),
 # serve_offline_profile (profiler windows inside serving), moe_lora_prefill (the MoE stage
-# with LoRA after the grouped GEMM vs in its epilogue). A benchmark cut off by its
+# with LoRA after the grouped GEMM vs in its epilogue), serve_offline_host_profile (cProfile
+# windows: where a step's host time goes), mla_prefill (one-launch prefill attention vs
+# torch SDPA per sequence), grouped_gemm_decode (expert GEMM tile plans at decode batches,
+# weight bandwidth vs copy bandwidth). A benchmark cut off by its
 # limit keeps what it wrote (the serving ones rewrite their JSON after every scenario and
 # skip scenarios that would not fit: --time-budget). Logs: RESULTS_DIR/NAME.log.
 # Limits (s) can be changed per benchmark: LIMIT_<NAME>=300 bash bench/run_all.sh DIR NAME.
@@ -25,13 +28,15 @@ START=$(date +%s)
 for name_limit in ceilings:30 lora_kernels:50 model_decode:50 lora_decode_overhead:45 \
     lora_slot_load:45 serve_offline_r16:140 serve_online:120 serve_offline_r64:50 \
     model_decode_fp8:60 serve_offline_fp8:140 serve_offline_noroute:130 serve_cold_idle:100 \
-    grouped_gemm_tiles:120 copy_contention:60 serve_offline_profile:300 moe_lora_prefill:90; do
+    grouped_gemm_tiles:120 copy_contention:60 serve_offline_profile:300 moe_lora_prefill:90 \
+    serve_offline_host_profile:240 mla_prefill:60 grouped_gemm_decode:90; do
   var="LIMIT_${name_limit%%:*}"
   declare "$var=${!var:-${name_limit##*:}}"
 done
 
 VARIANTS=" model_decode_fp8 serve_offline_fp8 serve_offline_noroute serve_cold_idle "
 VARIANTS+=" grouped_gemm_tiles copy_contention serve_offline_profile moe_lora_prefill "
+VARIANTS+=" serve_offline_host_profile mla_prefill grouped_gemm_decode "
 
 run() {  # run NAME LIMIT_S MODULE ARGS...
   local name=$1 limit=$2
@@ -78,6 +83,12 @@ run serve_offline_profile "$LIMIT_serve_offline_profile" bench.serve_offline --r
 
 run moe_lora_prefill "$LIMIT_moe_lora_prefill" bench.moe_lora_prefill \
   --out "$OUT/moe_lora_prefill.json"
+run serve_offline_host_profile "$LIMIT_serve_offline_host_profile" bench.serve_offline --rank 16 \
+  --out "$OUT/serve_offline_host_profile.json" --profile-steps 3 --profile-kind host \
+  --scenarios "no LoRA" "N=32 uniform"
+run mla_prefill "$LIMIT_mla_prefill" bench.mla_prefill --out "$OUT/mla_prefill.json"
+run grouped_gemm_decode "$LIMIT_grouped_gemm_decode" bench.grouped_gemm_tiles --decode \
+  --out "$OUT/grouped_gemm_decode.json"
 
 echo "== all done in $(( $(date +%s) - START )) s; results in $OUT"
 "$PY" -m bench.summary "$OUT"
