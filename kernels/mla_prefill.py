@@ -25,6 +25,9 @@ import triton.language as tl
 
 from kernels.mla_attention import mla_prefill_ref
 
+# Query rows per reference call: bounds its [H, rows, context] float32 score matrix (the
+# CPU serving path runs the reference).
+REF_QUERY_CHUNK = 2048
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # key rows per iteration
 NUM_WARPS = 4
@@ -68,7 +71,13 @@ def mla_prefill_varlen_ref(
             raise ValueError(f"sequence {b} has {q1 - q0} query rows > {max_query_len}")
         q = torch.cat([q_nope[q0:q1], q_rope[q0:q1]], dim=-1)  # [q, H, n+R]
         k = torch.cat([k_nope[k0:k1], k_rope[k0:k1, None].expand(-1, heads, -1)], dim=-1)
-        out[q0:q1] = mla_prefill_ref(q, k, v[k0:k1], scale, contexts[b] - (q1 - q0))
+        offset = contexts[b] - (q1 - q0)  # position of query row q0
+        for c0 in range(q0, q1, REF_QUERY_CHUNK):
+            c1 = min(q1, c0 + REF_QUERY_CHUNK)
+            visible = offset + c1 - q0  # keys the chunk's last query sees
+            out[c0:c1] = mla_prefill_ref(
+                q[c0 - q0 : c1 - q0], k[:visible], v[k0 : k0 + visible], scale, offset + c0 - q0
+            )
 
 
 def mla_prefill_varlen(

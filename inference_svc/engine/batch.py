@@ -3,7 +3,8 @@
 A step runs a flattened batch of T tokens from B sequences. Sequence b contributes
 query_len[b] new tokens at positions [cached_len[b], cached_len[b] + query_len[b]).
 Decode sequences (one new token) come first, so their tokens are rows [0, num_decode_tokens)
-and take the absorbed paged-attention path; prefill sequences follow and take the naive path.
+and take the absorbed paged-attention path; prefill sequences follow and attend over K/V
+expanded from their cached latent rows (`kernels.mla_prefill`).
 """
 
 from __future__ import annotations

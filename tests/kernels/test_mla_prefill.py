@@ -133,3 +133,16 @@ def test_ref_refuses_a_query_longer_than_the_grid() -> None:
         mp.mla_prefill_varlen_ref(
             q_nope, q_rope, k_nope, k_rope, v, out, *meta, 0, 2, 0.3, max_query_len=7
         )
+
+
+def test_ref_query_chunks_give_the_same_rows(monkeypatch) -> None:
+    """The reference bounds its score matrix by running long queries in chunks."""
+    case = ([70, 3], [200, 3], 2, 16, 16, 16)
+    (q_nope, q_rope, k_nope, k_rope, v), meta, rows = group_inputs(*case, torch.float32, seed=6)
+    args = (q_nope, q_rope, k_nope, k_rope, v)
+    whole = torch.zeros(rows, 2, 16, device=DEVICE)
+    mp.mla_prefill_varlen_ref(*args, whole, *meta, 0, 2, 0.3, max_query_len=70)
+    monkeypatch.setattr(mp, "REF_QUERY_CHUNK", 16)
+    chunked = torch.zeros_like(whole)
+    mp.mla_prefill_varlen_ref(*args, chunked, *meta, 0, 2, 0.3, max_query_len=70)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
