@@ -86,6 +86,11 @@ SCENARIOS = (
 )
 
 
+# Offline steps 0-7 admit 16 prompts each beside the earlier prompts' decodes; the first
+# requests finish after ~128 decode-only steps (then later waves are admitted).
+PROFILE_FROM = (4, 40)
+
+
 def run_scenario(
     engine: LLMEngine,
     library: AdapterLibrary,
@@ -96,11 +101,12 @@ def run_scenario(
     timeout_s: float,
     profile_steps: int = 0,
     profile_kind: str = "kernels",
+    profile_from: tuple[int, int] = PROFILE_FROM,
 ) -> dict[str, Any]:
     """Submit `requests` at once, step until all finish; one result row.
 
-    profile_steps: K > 0 profiles steps [PROFILE_PREFILL_FROM, +K) (prefill steps beside
-    decodes) and [PROFILE_DECODE_FROM, +K) (decode-only) into the row's `profile`; the
+    profile_steps: K > 0 profiles steps [profile_from[0], +K) (by default prefill steps
+    beside decodes) and [profile_from[1], +K) (decode-only) into the row's `profile`; the
     profiler's overhead is then inside the row's wall time. profile_kind: "kernels" (torch
     profiler, GPU time by kernel class) or "host" (cProfile, Python time by function).
     """
@@ -128,8 +134,9 @@ def run_scenario(
     kinds = {"decode": [0, 0.0], "prefill": [0, 0.0]}
     complete = True
     windows = StepWindows(
-        profile_steps, torch.device(config.device), config.max_num_seqs, profile_kind
-    )
+        profile_steps, torch.device(config.device), config.max_num_seqs, profile_kind,
+        profile_from,
+    )  # fmt: skip
     synchronize(config)
     start = time.perf_counter()
     for seq in seqs:
@@ -182,26 +189,27 @@ def run_scenario(
     }
 
 
-# Offline steps 0-7 admit 16 prompts each beside the earlier prompts' decodes; the first
-# requests finish after ~128 decode-only steps.
-PROFILE_PREFILL_FROM = 4
-PROFILE_DECODE_FROM = 40
-
-
 class StepWindows:
     """Profiles two windows of a scenario's steps (see `run_scenario`); each summary is
     labelled by the kind of step it held (prefill / decode / mixed kinds)."""
 
-    def __init__(self, steps: int, device: torch.device, max_num_seqs: int, kind: str):
+    def __init__(
+        self,
+        steps: int,
+        device: torch.device,
+        max_num_seqs: int,
+        kind: str,
+        starts: tuple[int, int] = PROFILE_FROM,
+    ):
         self.steps, self.device, self.max_num_seqs = steps, device, max_num_seqs
+        self.starts = starts if steps else ()
         self._recorder = {"kernels": StepProfile, "host": HostProfile}[kind]
         self._open: tuple[int, StepProfile | HostProfile, set[str]] | None = None
         self._done: dict[str, dict] = {}
 
     def step(self, engine: LLMEngine, index: int) -> int:
         """engine.step(), profiled when step `index` lies in a window."""
-        starts = (PROFILE_PREFILL_FROM, PROFILE_DECODE_FROM) if self.steps else ()
-        if index in starts and self._open is None:
+        if index in self.starts and self._open is None:
             self._open = (index, self._recorder(self.device).start(), set())
         if self._open is None:
             return engine.step()
@@ -330,6 +338,15 @@ def main(argv: list[str] | None = None) -> None:
         "busy vs wall); the profiler's overhead lands in that scenario's throughput",
     )
     parser.add_argument(
+        "--profile-from",
+        type=int,
+        nargs=2,
+        default=list(PROFILE_FROM),
+        metavar=("FIRST", "SECOND"),
+        help="the steps the two profile windows start at (default: a prefill window beside "
+        "decodes, then a decode-only one)",
+    )
+    parser.add_argument(
         "--profile-kind",
         choices=["kernels", "host"],
         default="kernels",
@@ -405,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.scenario_timeout,
                 args.profile_steps,
                 args.profile_kind,
+                tuple(args.profile_from),
             )
             longest = max(longest, row["seconds"])
             results["rows"].append(row)
