@@ -64,6 +64,18 @@ class LoadedAdapterInfo:
     active_requests: int
 
 
+@dataclass(frozen=True, slots=True)
+class AcceptedToken:
+    """A sampled token applied to its sequence, its output not made yet."""
+
+    seq: Sequence
+    token: int
+    logprob: float
+    reason: FinishReason | None  # the ending it caused
+    first: bool  # the request's first token: its latency is the TTFT, else the ITL
+    latency_s: float
+
+
 @dataclass(frozen=True)
 class EngineStats:
     waiting: int
@@ -84,9 +96,8 @@ class LLMEngine:
         self.page_size = scheduler.config.page_size
         metrics.kv_pages_total.set(scheduler.config.num_pages)
         metrics.slots_total.set(scheduler.slots.max_loras)
-        # Accepted tokens whose outputs are not made yet: (sequence, token, logprob, the
-        # ending it caused or None), in the order they were sampled.
-        self._pending_outputs: list[tuple[Sequence, int, float, FinishReason | None]] = []
+        # Accepted tokens whose outputs are not made yet, in the order they were sampled.
+        self._pending_outputs: list[AcceptedToken] = []
 
     # -- requests -------------------------------------------------------------------------
 
@@ -215,8 +226,7 @@ class LLMEngine:
                 if seq.params.stop:
                     self._append_token(seq, token, logprob)
                 else:
-                    reason = self._accept_token(seq, token)
-                    self._pending_outputs.append((seq, token, logprob, reason))
+                    self._pending_outputs.append(self._accept_token(seq, token, logprob))
             except Exception as exc:
                 self._fail_step(seq, exc)
 
@@ -240,17 +250,16 @@ class LLMEngine:
         seq.prompt_logprobs.extend(logprobs.tolist())
 
     def _accept_token(
-        self, seq: Sequence, token: int, stopped: bool = False
-    ) -> FinishReason | None:
-        """What a new token changes for scheduling: its timings, its id appended, and the
-        endings that need no text (or `stopped`: a stop string in the text); the sequence
-        is finished at once on one, which is returned."""
+        self, seq: Sequence, token: int, logprob: float, stopped: bool = False
+    ) -> AcceptedToken:
+        """What a new token changes for scheduling: its id appended and the endings that
+        need no text (or `stopped`: a stop string in the text), the sequence finished at
+        once on one. Its latency is measured now and observed with its output."""
         now = time.monotonic()
-        if seq.first_token_s is None:
+        first = seq.first_token_s is None
+        latency = now - (seq.arrival_s if first else (seq.last_token_s or now))
+        if first:
             seq.first_token_s = now
-            self.metrics.ttft.observe(now - seq.arrival_s)
-        else:
-            self.metrics.itl.observe(now - (seq.last_token_s or now))
         seq.last_token_s = now
         seq.output_token_ids.append(token)
         reason = None
@@ -265,28 +274,35 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         if reason is not None:
             self._finish(seq, reason)
-        return reason
+        return AcceptedToken(seq, token, logprob, reason, first, latency)
+
+    def _observe_latency(self, accepted: AcceptedToken) -> None:
+        histogram = self.metrics.ttft if accepted.first else self.metrics.itl
+        histogram.observe(accepted.latency_s)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float) -> None:
         """A sequence with stop strings: its text decides whether it ends, so the text is
         made, and the output emitted, now."""
         delta = seq.detokenizer.add([token])
-        reason = self._accept_token(seq, token, delta.stopped)
+        accepted = self._accept_token(seq, token, logprob, delta.stopped)
+        self._observe_latency(accepted)
         text = delta.text
-        if reason is not None and not delta.stopped:
+        if accepted.reason is not None and not delta.stopped:
             text += seq.detokenizer.finish()
-        self._emit(seq, self._token_output(seq, token, text, logprob, reason))
+        self._emit(seq, self._token_output(accepted, text))
 
     def _flush_outputs(self) -> None:
         """Detokenize and emit the accepted tokens whose outputs wait (see the module
-        docstring), in order."""
+        docstring), in order, observing their latencies first."""
         pending, self._pending_outputs = self._pending_outputs, []
-        for seq, token, logprob, reason in pending:
+        for accepted in pending:
+            seq = accepted.seq
             try:
-                text = seq.detokenizer.add([token]).text
-                if reason is not None:
+                self._observe_latency(accepted)
+                text = seq.detokenizer.add([accepted.token]).text
+                if accepted.reason is not None:
                     text += seq.detokenizer.finish()
-                self._emit(seq, self._token_output(seq, token, text, logprob, reason))
+                self._emit(seq, self._token_output(accepted, text))
             except Exception as exc:
                 if seq.is_finished:
                     log.error("output of request %s failed", seq.request_id, exc_info=exc)
@@ -300,16 +316,15 @@ class LLMEngine:
                 else:
                     self._fail_step(seq, exc)
 
-    def _token_output(
-        self, seq: Sequence, token: int, text: str, logprob: float, reason: FinishReason | None
-    ) -> SequenceOutput:
+    def _token_output(self, accepted: AcceptedToken, text: str) -> SequenceOutput:
+        seq = accepted.seq
         return SequenceOutput(
             seq.request_id,
-            [token],
+            [accepted.token],
             text,
-            [logprob] if seq.params.logprobs else [],
+            [accepted.logprob] if seq.params.logprobs else [],
             self._take_prompt_logprobs(seq),
-            reason,
+            accepted.reason,
         )
 
     def _take_prompt_logprobs(self, seq: Sequence) -> list[float] | None:

@@ -1,0 +1,149 @@
+"""The engine's own host time per decode step, with the model run stubbed out (CPU).
+
+A serving decode step is GPU work plus host work the GPU waits for (scheduling, the batch
+layout, accepting the sampled tokens; the outputs now overlap the next step). This times
+`LLMEngine.step()` on the embedded tiny model with `ModelRunner.execute` replaced by a stub
+that returns zero logits of the right shape, so what is left is the engine's Python and
+numpy work: the part that would stay on the critical path at any model size. 128 requests
+decode together, without adapters and with the three shipped adapters (LoRA segments in
+every batch). `critical_median_ms` leaves out the outputs' flush, which a GPU step overlaps.
+Host-only: run it on the CPU machine; figures are machine-relative, compare them within one
+run or one machine.
+
+    python -m bench.engine_host --out /tmp/engine_host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.gpu_timing import device_name, run_meta, write_json
+from inference_svc.engine.batch import BatchMetadata
+from inference_svc.engine.sequence import AdapterBinding, GenerationParams, Sequence
+from inference_svc.model.tiny import EMBEDDED_ADAPTERS_DIR
+from inference_svc.runtime import Runtime, RuntimeConfig, build_runtime
+
+ADAPTERS = ("docs-prose", "shouty", "unittest-style")
+
+
+class EmbeddedSource:
+    """The shipped PEFT adapters normalized in memory, as the store would hold them."""
+
+    tier = "local"
+
+    def __init__(self, hf_config: dict) -> None:
+        self.hf_config = hf_config
+
+    def fetch(self, adapter: AdapterBinding):  # type: ignore[no-untyped-def]
+        from adapter_store.normalize import normalize_peft
+
+        folder = EMBEDDED_ADAPTERS_DIR / adapter.name
+        files = {path.name: path.read_bytes() for path in folder.iterdir()}
+        return normalize_peft(files, self.hf_config, base_model="tiny", max_rank=16)
+
+
+def stub_runtime(sequences: int) -> Runtime:
+    config = RuntimeConfig(
+        model="tiny", base_model_name="tiny", max_loras=4, max_num_seqs=sequences,
+        max_batch_tokens=max(512, 8 * sequences), cuda_graphs=False, warm_up=False,
+    )  # fmt: skip
+    runtime = build_runtime(config, None)
+    runtime.residency.source = EmbeddedSource(runtime.hf_config)
+    vocab = runtime.engine.runner.model.config.vocab_size
+
+    def no_model(input_ids: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+        return torch.zeros(batch.logits_indices.shape[0], vocab)
+
+    runtime.engine.runner.execute = no_model  # type: ignore[method-assign]
+    return runtime
+
+
+def decode_step_ms(
+    runtime: Runtime, sequences: int, new_tokens: int, adapters: bool
+) -> tuple[list[float], list[float]]:
+    """Wall ms of each decode-only step while `sequences` requests run together, and of
+    the part of it outside `_flush_outputs` (the outputs of the step before, which on a
+    GPU run while the GPU computes this step: the rest is what the GPU waits for)."""
+    engine, tokenizer = runtime.engine, runtime.tokenizer
+    flush = engine._flush_outputs
+    flushed = [0.0]
+
+    def timed_flush() -> None:
+        began = time.perf_counter()
+        flush()
+        flushed[0] += time.perf_counter() - began
+
+    engine._flush_outputs = timed_flush  # type: ignore[method-assign]
+    for i in range(sequences):
+        seq = Sequence(
+            f"{'lora' if adapters else 'base'}-{i}",
+            tokenizer.encode(f"request {i}: the quick brown fox"),
+            GenerationParams(max_new_tokens=new_tokens, ignore_eos=True),
+            tokenizer,
+            (),
+            None,
+            sink=lambda output: None,
+        )
+        if adapters:
+            seq.adapter = AdapterBinding("default", ADAPTERS[i % 3], 1, 8, "-", 0, "tiny")
+        engine.add_request(seq)
+    samples, critical = [], []
+    while engine.has_work():
+        flushed[0] = 0.0
+        started = time.perf_counter()
+        tokens = engine.step()
+        elapsed = (time.perf_counter() - started) * 1e3
+        if tokens == 0:
+            time.sleep(0.001)  # adapters being normalized and loaded
+        elif tokens == engine.scheduler.num_running == sequences:
+            samples.append(elapsed)  # every request decoding, none admitted or finished
+            critical.append(elapsed - flushed[0] * 1e3)
+    return samples, critical
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sequences", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case (median)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    # A first pass is slower (lazy imports and first-call caches): run one, discard it.
+    decode_step_ms(stub_runtime(args.sequences), args.sequences, 4, adapters=True)
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for _ in range(args.repeats):  # interleaved, so drift hits both cases alike
+        for adapters in runs:
+            runtime = stub_runtime(args.sequences)
+            steps, critical = decode_step_ms(runtime, args.sequences, args.new_tokens, adapters)
+            runs[adapters].append((statistics.median(steps), statistics.median(critical)))
+    rows = []
+    for adapters, medians in runs.items():
+        row = {
+            "adapters": len(ADAPTERS) if adapters else 0,
+            "sequences": args.sequences,
+            "repeats": args.repeats,
+            "median_ms": statistics.median(total for total, _ in medians),
+            "critical_median_ms": statistics.median(part for _, part in medians),
+        }
+        rows.append(row)
+        print(
+            f"{'LoRA' if adapters else 'base':4s} {args.sequences} sequences: host "
+            f"{row['median_ms']:.3f} ms per decode step, "
+            f"{row['critical_median_ms']:.3f} ms outside the outputs' flush"
+        )
+    meta = run_meta(
+        "engine_host", torch.device("cpu"), started, host=device_name(torch.device("cpu"))
+    )
+    write_json(args.out, meta, rows)
+
+
+if __name__ == "__main__":
+    main()
