@@ -4,7 +4,9 @@ A serving decode step is GPU work plus host work the GPU waits for (scheduling, 
 layout, accepting the sampled tokens; the outputs now overlap the next step). This times
 `LLMEngine.step()` on the embedded tiny model with `ModelRunner.execute` replaced by a stub
 that returns zero logits of the right shape, so what is left is the engine's Python and
-numpy work: the part that would stay on the critical path at any model size. 128 requests
+numpy work: the part that would stay on the critical path at any model size (plus the
+sampler's arithmetic over the vocabulary and the stub's zero logits, which run on the CPU
+here and on the device in serving: compare figures of one machine, not with GPU steps). 128 requests
 decode together, without adapters and with the three shipped adapters (LoRA segments in
 every batch). `critical_median_ms` leaves out the outputs' flush, which a GPU step overlaps.
 Host-only: run it on the CPU machine; figures are machine-relative, compare them within one
