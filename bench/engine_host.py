@@ -52,7 +52,7 @@ class EmbeddedSource:
 def stub_runtime(sequences: int) -> Runtime:
     config = RuntimeConfig(
         model="tiny", base_model_name="tiny", max_loras=4, max_num_seqs=sequences,
-        max_batch_tokens=max(512, 8 * sequences), cuda_graphs=False, warm_up=False,
+        max_batch_tokens=max(512, 16 * sequences), cuda_graphs=False, warm_up=False,
     )  # fmt: skip
     runtime = build_runtime(config, None)
     runtime.residency.source = EmbeddedSource(runtime.hf_config)
@@ -81,28 +81,36 @@ def decode_step_ms(
         flushed[0] += time.perf_counter() - began
 
     engine._flush_outputs = timed_flush  # type: ignore[method-assign]
-    for i in range(sequences):
+
+    def submit(request_id: str, index: int, max_new_tokens: int) -> None:
         seq = Sequence(
-            f"{'lora' if adapters else 'base'}-{i}",
-            tokenizer.encode(f"request {i}: the quick brown fox"),
-            GenerationParams(max_new_tokens=new_tokens, ignore_eos=True),
+            request_id,
+            tokenizer.encode(f"request {index}: the quick brown fox"),
+            GenerationParams(max_new_tokens=max_new_tokens, ignore_eos=True),
             tokenizer,
             (),
             None,
             sink=lambda output: None,
         )
         if adapters:
-            seq.adapter = AdapterBinding("default", ADAPTERS[i % 3], 1, 8, "-", 0, "tiny")
+            seq.adapter = AdapterBinding("default", ADAPTERS[index % 3], 1, 8, "-", 0, "tiny")
         engine.add_request(seq)
+
+    if adapters:  # one request per adapter first, so every adapter is in a slot
+        for i in range(len(ADAPTERS)):
+            submit(f"warm-{i}", i, 1)
+        while engine.has_work():
+            if engine.step() == 0:
+                time.sleep(0.001)  # adapters being normalized and loaded
+    for i in range(sequences):
+        submit(f"{'lora' if adapters else 'base'}-{i}", i, new_tokens)
     samples, critical = [], []
     while engine.has_work():
         flushed[0] = 0.0
         started = time.perf_counter()
         tokens = engine.step()
         elapsed = (time.perf_counter() - started) * 1e3
-        if tokens == 0:
-            time.sleep(0.001)  # adapters being normalized and loaded
-        elif tokens == engine.scheduler.num_running == sequences:
+        if tokens == engine.scheduler.num_running == sequences:
             samples.append(elapsed)  # every request decoding, none admitted or finished
             critical.append(elapsed - flushed[0] * 1e3)
     return samples, critical
