@@ -212,7 +212,9 @@ class LLMEngine:
                 seq.num_computed += s.query_len
                 if s.query_len > 1:
                     self.metrics.prefill_tokens.inc(s.query_len)
-                if seq.num_computed == seq.num_tokens:
+                # A sequence can end after its step was launched (its previous output
+                # failed in the flush): it gets no further token.
+                if seq.num_computed == seq.num_tokens and not seq.is_finished:
                     seqs.append(seq)
                     picked.append((logits, end - 1))
         if not seqs:

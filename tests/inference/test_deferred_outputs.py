@@ -84,3 +84,28 @@ def test_cancel_sends_the_tokens_already_made_first(runtime) -> None:  # type: i
     assert [out.finish_reason for out in outputs] == [None, FinishReason.CANCELLED]
     assert outputs[0].token_ids == seq.output_token_ids[:1]
     assert not engine.has_work()
+
+
+def test_a_failing_output_fails_only_its_request(runtime) -> None:  # type: ignore[no-untyped-def]
+    """Detokenizing runs in the flush: when it raises for one request, that request ends
+    with an error (pages freed) and the other goes on to its last token."""
+    events: list = []
+    broken = submit(runtime, "broken", events, max_new_tokens=4)
+    healthy = submit(runtime, "healthy", events, max_new_tokens=4)
+
+    def fail(tokens):  # type: ignore[no-untyped-def]
+        raise RuntimeError("detokenizer broke")
+
+    broken.detokenizer.add = fail  # type: ignore[method-assign]
+    engine = runtime.engine
+    while engine.has_work():
+        engine.step()
+    by_request: dict[str, list] = {}
+    for _, request_id, out in events:
+        by_request.setdefault(request_id, []).append(out)
+    assert [out.finish_reason for out in by_request["broken"]] == [FinishReason.ERROR]
+    # Its output failed before it ended: it fails as a step failure, once.
+    assert "inside the model step" in str(by_request["broken"][0].error)
+    assert broken.finish_reason is FinishReason.ERROR and not broken.pages
+    assert [out.finish_reason for out in by_request["healthy"]][-1] is FinishReason.LENGTH
+    assert len(healthy.output_token_ids) == 4
