@@ -83,6 +83,19 @@ def test_serve_offline_host_profile_windows(tmp_path: Path) -> None:
             assert any(k.endswith(" _run") for k in step_callees), step_callees
 
 
+def test_serve_offline_profile_windows_start_where_asked(tmp_path: Path) -> None:
+    out = tmp_path / "serve_offline_profile_from.json"
+    serve_offline.main(
+        ["--out", str(out), "--smoke", "--profile-steps", "1", "--profile-from", "0", "2"]
+    )
+    for row in json.loads(out.read_text())["rows"]:
+        windows = row["profile"]
+        # Step 0 is every scenario's first prefill; step 2 comes after it.
+        assert len(windows) == 2, (row["scenario"], list(windows))
+        assert all(window["steps"] == 1 for window in windows.values())
+        assert any("prefill" in label for label in windows)
+
+
 def test_serve_online_smoke(tmp_path: Path) -> None:
     out = tmp_path / "serve_online.json"
     serve_online.main(["--out", str(out), "--smoke"])
