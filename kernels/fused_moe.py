@@ -102,35 +102,18 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoE
     )
 
 
-# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
-@triton.jit(do_not_specialize=["num_pairs", "total", "num_tiles"])
-def _moe_align_kernel(
-    ids_ptr, sorted_ids_ptr, block_experts_ptr, offsets_ptr, counts_ptr, starts_ptr,
-    num_pairs, num_experts, total, num_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, LOG2_BLOCK_P: tl.constexpr,
-    NUM_BINS: tl.constexpr, FILL_BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr,
+@triton.jit
+def _store_expert_runs(
+    counts, is_expert, bins, counts_ptr, offsets_ptr, block_experts_ptr, num_tiles,
+    BLOCK_M: tl.constexpr, TILE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # One program: P ≤ BLOCK_P pairs fit in registers, so counting, the scan and a stable
-    # sort happen on-chip. Scalars/vectors another lane needs go through global memory
-    # (offsets, starts), ordered by a block-wide barrier.
-    offs_p = tl.arange(0, BLOCK_P)
-    real = offs_p < num_pairs
-    expert = tl.load(ids_ptr + offs_p, mask=real, other=0).to(tl.int32)
-    expert = tl.where(real, expert, num_experts)  # padding lanes count in bin E, sort last
-    counts = tl.histogram(expert, NUM_BINS)  # [NUM_BINS]
-    bins = tl.arange(0, NUM_BINS)
-    counts = tl.where(bins < num_experts, counts, 0)
+    """From the pairs per expert bin (0 outside the experts): store the counts, the padded
+    runs' offsets and each row tile's expert; returns each expert's padded run start."""
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, 0)  # inclusive: end of each expert's padded run
-    unpadded_start = tl.cumsum(counts, 0) - counts
-    is_expert = bins < num_experts
     tl.store(counts_ptr + bins, counts, mask=is_expert)
     tl.store(offsets_ptr + 1 + bins, padded_end, mask=is_expert)
     tl.store(offsets_ptr + bins, 0, mask=bins == 0)
-    tl.store(starts_ptr + bins, unpadded_start, mask=is_expert)
-    for f0 in range(0, total, FILL_BLOCK):
-        fill = f0 + tl.arange(0, FILL_BLOCK)
-        tl.store(sorted_ids_ptr + fill, num_pairs, mask=fill < total)
     # Tile → expert: the number of padded runs that end at or before the tile's start.
     run_ends = tl.where(is_expert, padded_end, 2147483647)
     used = tl.max(padded_end, 0)
@@ -140,16 +123,59 @@ def _moe_align_kernel(
         owner = tl.sum((run_ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
         owner = tl.where(first_row < used, owner, -1)
         tl.store(block_experts_ptr + tiles, owner, mask=tiles < num_tiles)
+    return padded_end - padded
+
+
+@triton.jit
+def _sort_and_scatter(
+    expert, counts, local, first_pair, bins, starts_ptr, base_ptr, sorted_ids_ptr, num_experts,
+    BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Stably scatter one program's pairs (lane `local` is pair first_pair + local, of
+    `expert`; lanes of expert ≥ num_experts are padding) to rows base[e] + their rank among
+    the program's pairs of expert e. counts: the program's pairs per bin. Values another
+    lane needs (the in-program starts; base, stored by the caller) go through global
+    memory, ordered by a block-wide barrier."""
+    tl.store(starts_ptr + bins, tl.cumsum(counts, 0) - counts)
     tl.debug_barrier()
-    # Sorting (expert, pair) keys is a stable sort of pairs by expert.
-    keys = tl.sort(expert * BLOCK_P + offs_p)
-    sorted_expert = keys >> LOG2_BLOCK_P
-    pair = keys & (BLOCK_P - 1)
+    keys = tl.sort(expert * BLOCK + local)  # stable by expert: lane ids break ties
+    sorted_expert = keys >> LOG2_BLOCK
     in_range = sorted_expert < num_experts
     start = tl.load(starts_ptr + sorted_expert, mask=in_range, other=0)
-    run_start = tl.load(offsets_ptr + sorted_expert, mask=in_range, other=0)
-    row = run_start + offs_p - start  # offs_p is the rank in sorted order
-    tl.store(sorted_ids_ptr + row, pair, mask=in_range)
+    base = tl.load(base_ptr + sorted_expert, mask=in_range, other=0)
+    pair = first_pair + (keys & (BLOCK - 1))
+    tl.store(sorted_ids_ptr + base + local - start, pair, mask=in_range)
+
+
+# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
+@triton.jit(do_not_specialize=["num_pairs", "total", "num_tiles"])
+def _moe_align_kernel(
+    ids_ptr, sorted_ids_ptr, block_experts_ptr, offsets_ptr, counts_ptr, starts_ptr,
+    num_pairs, num_experts, total, num_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, LOG2_BLOCK_P: tl.constexpr,
+    NUM_BINS: tl.constexpr, FILL_BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    # One program: P ≤ BLOCK_P pairs fit in registers, so counting, the scan and a stable
+    # sort happen on-chip.
+    offs_p = tl.arange(0, BLOCK_P)
+    real = offs_p < num_pairs
+    expert = tl.load(ids_ptr + offs_p, mask=real, other=0).to(tl.int32)
+    expert = tl.where(real, expert, num_experts)  # padding lanes count in bin E, sort last
+    counts = tl.histogram(expert, NUM_BINS)  # [NUM_BINS]
+    bins = tl.arange(0, NUM_BINS)
+    is_expert = bins < num_experts
+    _store_expert_runs(
+        tl.where(is_expert, counts, 0), is_expert, bins, counts_ptr, offsets_ptr,
+        block_experts_ptr, num_tiles, BLOCK_M, TILE_BLOCK,
+    )  # fmt: skip
+    for f0 in range(0, total, FILL_BLOCK):
+        fill = f0 + tl.arange(0, FILL_BLOCK)
+        tl.store(sorted_ids_ptr + fill, num_pairs, mask=fill < total)
+    # Each expert's pairs start at its padded run (offsets, stored above).
+    _sort_and_scatter(
+        expert, counts, offs_p, 0, bins, starts_ptr, offsets_ptr, sorted_ids_ptr, num_experts,
+        BLOCK_P, LOG2_BLOCK_P,
+    )  # fmt: skip
 
 
 # Largest pair count aligned in one program (registers hold every pair). Larger batches
@@ -184,13 +210,14 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     block_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    starts = torch.empty(num_experts, dtype=torch.int32, device=device)  # scratch
+    num_bins = _align_bins(num_experts)
+    starts = torch.empty(num_bins, dtype=torch.int32, device=device)  # scratch
     block_p = max(16, triton.next_power_of_2(num_pairs))
     _moe_align_kernel[(1,)](
         flat, sorted_ids, block_experts, offsets, counts, starts,
         num_pairs, num_experts, total, num_tiles,
         BLOCK_M=block_m, BLOCK_P=block_p, LOG2_BLOCK_P=block_p.bit_length() - 1,
-        NUM_BINS=triton.next_power_of_2(num_experts + 1), FILL_BLOCK=1024, TILE_BLOCK=32,
+        NUM_BINS=num_bins, FILL_BLOCK=1024, TILE_BLOCK=32,
         num_warps=8 if block_p >= 1024 else 4,
     )  # fmt: skip
     return MoEAlignment(sorted_ids, block_experts, offsets, counts, block_m, num_pairs)
@@ -279,22 +306,12 @@ def _moe_chunk_offsets_kernel(
     cell = chunks[:, None] * NUM_BINS + bins[None, :]
     live = (chunks < num_chunks)[:, None] & is_expert[None, :]
     per_chunk = tl.load(chunk_counts_ptr + cell, mask=live, other=0)  # [MAX_CHUNKS, NUM_BINS]
-    counts = tl.sum(per_chunk, axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, 0)  # inclusive: end of each expert's padded run
+    run_start = _store_expert_runs(
+        tl.sum(per_chunk, axis=0), is_expert, bins, counts_ptr, offsets_ptr,
+        block_experts_ptr, num_tiles, BLOCK_M, TILE_BLOCK,
+    )  # fmt: skip
     earlier_chunks = tl.cumsum(per_chunk, 0) - per_chunk  # same expert, earlier chunks
-    tl.store(chunk_base_ptr + cell, (padded_end - padded)[None, :] + earlier_chunks, mask=live)
-    tl.store(counts_ptr + bins, counts, mask=is_expert)
-    tl.store(offsets_ptr + 1 + bins, padded_end, mask=is_expert)
-    tl.store(offsets_ptr + bins, 0, mask=bins == 0)
-    run_ends = tl.where(is_expert, padded_end, 2147483647)
-    used = tl.max(tl.where(is_expert, padded_end, 0), 0)
-    for t0 in range(0, num_tiles, TILE_BLOCK):
-        tiles = t0 + tl.arange(0, TILE_BLOCK)
-        first_row = tiles * BLOCK_M
-        owner = tl.sum((run_ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(first_row < used, owner, -1)
-        tl.store(block_experts_ptr + tiles, owner, mask=tiles < num_tiles)
+    tl.store(chunk_base_ptr + cell, run_start[None, :] + earlier_chunks, mask=live)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -307,19 +324,12 @@ def _moe_chunk_scatter_kernel(
     real = chunk * CHUNK + local < num_pairs
     expert = tl.load(ids_ptr + chunk * CHUNK + local, mask=real, other=0).to(tl.int32)
     expert = tl.where(real, expert, num_experts)
-    counts = tl.histogram(expert, NUM_BINS)
-    bins = tl.arange(0, NUM_BINS)
-    # In-chunk start of each expert's pairs, read back per sorted lane through memory.
-    tl.store(chunk_starts_ptr + chunk * NUM_BINS + bins, tl.cumsum(counts, 0) - counts)
-    tl.debug_barrier()
-    keys = tl.sort(expert * CHUNK + local)  # stable by expert: local ids break ties
-    sorted_expert = keys >> LOG2_CHUNK
-    in_range = sorted_expert < num_experts
-    row_of = chunk * NUM_BINS + sorted_expert
-    start = tl.load(chunk_starts_ptr + row_of, mask=in_range, other=0)
-    base = tl.load(chunk_base_ptr + row_of, mask=in_range, other=0)
-    pair = chunk * CHUNK + (keys & (CHUNK - 1))
-    tl.store(sorted_ids_ptr + base + local - start, pair, mask=in_range)
+    row = chunk * NUM_BINS  # this chunk's row of the per-chunk scratch
+    _sort_and_scatter(
+        expert, tl.histogram(expert, NUM_BINS), local, chunk * CHUNK, tl.arange(0, NUM_BINS),
+        chunk_starts_ptr + row, chunk_base_ptr + row, sorted_ids_ptr, num_experts,
+        CHUNK, LOG2_CHUNK,
+    )  # fmt: skip
 
 
 # FP8 block-scaled experts at decode batches up to this many pairs take half the row
