@@ -25,29 +25,16 @@ from pathlib import Path
 import torch
 
 from bench.gpu_timing import device_name, run_meta, write_json
+from inference_svc.adapters.embedded_source import (
+    EMBEDDED_ADAPTERS,
+    EmbeddedAdapterSource,
+    embedded_binding,
+)
 from inference_svc.engine.batch import BatchMetadata
-from inference_svc.engine.sequence import AdapterBinding, GenerationParams, Sequence
-from inference_svc.model.tiny import EMBEDDED_ADAPTERS_DIR
+from inference_svc.engine.sequence import GenerationParams, Sequence
 from inference_svc.runtime import Runtime, RuntimeConfig, build_runtime
 
-ADAPTERS = ("docs-prose", "shouty", "unittest-style")
 STUB_VOCAB = 8
-
-
-class EmbeddedSource:
-    """The shipped PEFT adapters normalized in memory, as the store would hold them."""
-
-    tier = "local"
-
-    def __init__(self, hf_config: dict) -> None:
-        self.hf_config = hf_config
-
-    def fetch(self, adapter: AdapterBinding):  # type: ignore[no-untyped-def]
-        from adapter_store.normalize import normalize_peft
-
-        folder = EMBEDDED_ADAPTERS_DIR / adapter.name
-        files = {path.name: path.read_bytes() for path in folder.iterdir()}
-        return normalize_peft(files, self.hf_config, base_model="tiny", max_rank=16)
 
 
 def stub_runtime(sequences: int) -> Runtime:
@@ -56,7 +43,7 @@ def stub_runtime(sequences: int) -> Runtime:
         max_batch_tokens=max(512, 16 * sequences), cuda_graphs=False, warm_up=False,
     )  # fmt: skip
     runtime = build_runtime(config, None)
-    runtime.residency.source = EmbeddedSource(runtime.hf_config)
+    runtime.residency.source = EmbeddedAdapterSource(runtime.hf_config)
 
     def no_model(input_ids: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
         # Logits over the first few token ids only: the sampler's arithmetic over a whole
@@ -95,11 +82,11 @@ def decode_step_ms(
             sink=lambda output: None,
         )
         if adapters:
-            seq.adapter = AdapterBinding("default", ADAPTERS[index % 3], 1, 8, "-", 0, "tiny")
+            seq.adapter = embedded_binding(EMBEDDED_ADAPTERS[index % len(EMBEDDED_ADAPTERS)])
         engine.add_request(seq)
 
     if adapters:  # one request per adapter first, so every adapter is in a slot
-        for i in range(len(ADAPTERS)):
+        for i in range(len(EMBEDDED_ADAPTERS)):
             submit(f"warm-{i}", i, 1)
         while engine.has_work():
             if engine.step() == 0:
@@ -139,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for adapters, medians in runs.items():
         row = {
-            "adapters": len(ADAPTERS) if adapters else 0,
+            "adapters": len(EMBEDDED_ADAPTERS) if adapters else 0,
             "sequences": args.sequences,
             "repeats": args.repeats,
             "median_ms": statistics.median(total for total, _ in medians),

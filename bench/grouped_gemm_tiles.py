@@ -103,26 +103,26 @@ def make_weights(experts: int, n: int, k: int, scheme: str, device: torch.device
     return weight, scale, FP8_BLOCK
 
 
-def run(shapes: ExpertShapes, tokens_list: list[int], schemes: list[str], plans, device, rep):
-    """plans: [(row tile, tiles)], or a list of tiles to run with the model's row tile for
-    each token count (decode)."""
+def run(shapes: ExpertShapes, tokens_list: list[int], schemes: list[str], plans_for, device, rep):
+    """plans_for(tokens): the [(row tile, tiles)] plans to time at that token count."""
     rows = []
     for scheme in schemes:
         for name, n, k, rows_per_a in shapes.gemms():
             weight, scale, block = make_weights(shapes.experts, n, k, scheme, device)
             for tokens in tokens_list:
                 case = {"scheme": scheme, "gemm": name, "tokens": tokens}
-                planned = plans
-                if isinstance(plans[0], fm.GemmTiles):
-                    # The model's row tile, and half of it (fewer padded rows, more tiles
-                    # re-reading an expert's weights when its pairs overflow one).
-                    block_m = fm.moe_block_m(tokens * shapes.top_k, shapes.experts)
-                    row_tiles = [block_m] + ([block_m // 2] if block_m > 16 else [])
-                    planned = [(m, tiles) for m in row_tiles for tiles in plans]
                 rows += time_plans(
-                    shapes, case, weight, scale, block, rows_per_a, planned, device, rep
+                    shapes, case, weight, scale, block, rows_per_a, plans_for(tokens), device, rep
                 )
     return rows
+
+
+def decode_plans(shapes: ExpertShapes, tiles: list[fm.GemmTiles], tokens: int) -> list:
+    """Each of `tiles` at the model's row tile for bf16 experts and at half of it (fewer
+    padded rows, more tiles re-reading an expert's weights when its pairs overflow one)."""
+    block_m = fm.moe_block_m(tokens * shapes.top_k, shapes.experts)
+    row_tiles = [block_m] + ([block_m // 2] if block_m > 16 else [])
+    return [(m, t) for m in row_tiles for t in tiles]
 
 
 def weight_bytes_read(ids: torch.Tensor, weight: torch.Tensor, scale) -> int:  # type: ignore[no-untyped-def]
@@ -186,11 +186,16 @@ def main(argv: list[str] | None = None) -> None:
     shapes = SMOKE_SHAPES if smoke else ExpertShapes()
     if decode:
         tokens = [4] if smoke else [64, 128, 256]
-        plans = DECODE_TILES[:2] if smoke else DECODE_TILES
+        tiles = DECODE_TILES[:2] if smoke else DECODE_TILES
+        plans_for = functools.partial(decode_plans, shapes, tiles)
     else:
         tokens = [4] if smoke else [8192, 512]
         plans = [PLANS[0], PLANS[2], PLANS[6]] if smoke else PLANS  # both row tiles
-    rows = run(shapes, tokens, schemes, plans, device, rep=50)
+
+        def plans_for(tokens: int) -> list:
+            return plans  # the same plans at every size
+
+    rows = run(shapes, tokens, schemes, plans_for, device, rep=50)
     extra = {"copy_gb_per_s": copy_bandwidth(device) / 1e9} if decode else {}
     meta = run_meta("grouped_gemm_tiles", device, started, shapes=asdict(shapes), **extra)
     if decode:

@@ -202,6 +202,8 @@ def _context_rows(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Flat cache rows [Σ prefill contexts] int64 of the prefill sequences' contexts in
     position order, and their int32 cu_seqlens [B + 1] per sequence (decodes: empty)."""
+    if num_decodes == len(context_lens):  # every decode step: no context to gather
+        return np.zeros(0, dtype=np.int64), np.zeros(num_decodes + 1, dtype=np.int32)
     lengths = np.array(context_lens, dtype=np.int64)
     lengths[:num_decodes] = 0
     starts = np.zeros(len(context_lens) + 1, dtype=np.int64)

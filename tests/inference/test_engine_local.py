@@ -11,10 +11,12 @@ import time
 import pytest
 import torch
 
-from adapter_store.format import CanonicalAdapter
-from adapter_store.normalize import normalize_peft
-from inference_svc.engine.sequence import AdapterBinding, GenerationParams, Sequence
-from inference_svc.model.tiny import EMBEDDED_ADAPTERS_DIR
+from inference_svc.adapters.embedded_source import (
+    EMBEDDED_ADAPTERS,
+    EmbeddedAdapterSource,
+    embedded_binding,
+)
+from inference_svc.engine.sequence import GenerationParams, Sequence
 from inference_svc.runtime import Runtime, RuntimeConfig, build_runtime
 from tests.inference.bf16_replay import (
     Schedule,
@@ -25,26 +27,9 @@ from tests.inference.bf16_replay import (
 )
 from tests.inference.client import PROMPTS, load_peft_oracle
 
-ADAPTERS = ("docs-prose", "shouty", "unittest-style")
+ADAPTERS = EMBEDDED_ADAPTERS
 NEW_TOKENS = 12
-
-
-class LocalSource:
-    """Adapters normalized from the embedded PEFT folders, as the store would store them."""
-
-    tier = "local"
-
-    def __init__(self, hf_config: dict) -> None:
-        self.hf_config = hf_config
-
-    def fetch(self, adapter: AdapterBinding) -> CanonicalAdapter:
-        folder = EMBEDDED_ADAPTERS_DIR / adapter.name
-        files = {path.name: path.read_bytes() for path in folder.iterdir()}
-        return normalize_peft(files, self.hf_config, base_model="tiny", max_rank=16)
-
-
-def binding(name: str) -> AdapterBinding:
-    return AdapterBinding("default", name, 1, 8, "-", 0, "tiny")
+binding = embedded_binding
 
 
 def make_runtime(device: str, dtype: str, cuda_graphs: bool = False) -> Runtime:
@@ -53,7 +38,7 @@ def make_runtime(device: str, dtype: str, cuda_graphs: bool = False) -> Runtime:
         kv_pages=128, max_num_seqs=8, cuda_graphs=cuda_graphs,
     )  # fmt: skip
     runtime = build_runtime(config, None)
-    runtime.residency.source = LocalSource(runtime.hf_config)
+    runtime.residency.source = EmbeddedAdapterSource(runtime.hf_config)
     return runtime
 
 

@@ -33,6 +33,7 @@ PATTERNS = ["uniform", "skewed", "one_expert_per_slot"]
 
 
 ALIGNERS = {"triton": fm.moe_align, "torch": fm.moe_align_ref}
+ALIGN_FIELDS = ("sorted_pair_ids", "block_expert_ids", "expert_offsets", "expert_counts")
 
 
 @pytest.mark.parametrize("aligner", sorted(ALIGNERS))
@@ -81,25 +82,26 @@ def test_triton_align_equals_ref_exactly(pattern, tokens, experts, top_k, block_
     for dtype in (torch.int64, torch.int32):
         ours = fm.moe_align(ids.to(dtype).to(DEVICE), experts, block_m)
         ref = fm.moe_align_ref(ids, experts, block_m)
-        for name in ("sorted_pair_ids", "block_expert_ids", "expert_offsets", "expert_counts"):
+        for name in ALIGN_FIELDS:
             got, want = getattr(ours, name).cpu(), getattr(ref, name)
             assert got.dtype == want.dtype and torch.equal(got, want), name
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 64, 6), (256, 64, 6), (512, 256, 8)])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k",
+    [(1, 64, 6), (256, 64, 6), (512, 256, 8), (700, 64, 6), (8192, 64, 6), (8300, 256, 8)],
+)
 def test_triton_align_equals_ref_on_gpu(tokens, experts, top_k):
-    """Decode-sized batches of V2-Lite and V3 (up to the one-program limit) on CUDA."""
+    """V2-Lite and V3 on CUDA: decode-sized batches (one program) and prefill-sized steps
+    (the chunked path)."""
     ids, _ = routing(tokens, experts, top_k, "uniform", seed=tokens)
     ids = ids.cuda()
     block_m = fm.moe_block_m(ids.numel(), experts)
     ours, ref = fm.moe_align(ids, experts, block_m), fm.moe_align_ref(ids, experts, block_m)
-    for name in ("sorted_pair_ids", "block_expert_ids", "expert_offsets", "expert_counts"):
+    for name in ALIGN_FIELDS:
         assert torch.equal(getattr(ours, name), getattr(ref, name)), name
-
-
-ALIGN_FIELDS = ("sorted_pair_ids", "block_expert_ids", "expert_offsets", "expert_counts")
 
 
 @pytest.mark.parametrize("pattern", ["uniform", "skewed", "one_expert"])
@@ -137,19 +139,6 @@ def test_chunks_grow_to_fit_the_offsets_program_then_torch_ops(monkeypatch):
     ours, ref = fm.moe_align(ids, 8, 16), fm.moe_align_ref(ids, 8, 16)
     assert not launched
     assert torch.equal(ours.sorted_pair_ids, ref.sorted_pair_ids)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tokens,experts,top_k", [(8192, 64, 6), (8300, 256, 8), (700, 64, 6)])
-def test_chunked_align_equals_ref_on_gpu(tokens, experts, top_k):
-    """Prefill-sized steps of V2-Lite and V3 (the chunked path) on CUDA."""
-    ids, _ = routing(tokens, experts, top_k, "uniform", seed=tokens)
-    ids = ids.cuda()
-    block_m = fm.moe_block_m(ids.numel(), experts)
-    ours, ref = fm.moe_align(ids, experts, block_m), fm.moe_align_ref(ids, experts, block_m)
-    for name in ALIGN_FIELDS:
-        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
 
 
 def test_block_m_grows_with_pairs_per_expert():
