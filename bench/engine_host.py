@@ -1,14 +1,17 @@
 """The engine's own host time per decode step, with the model run stubbed out (CPU).
 
-A serving decode step is GPU work plus host work the GPU waits for (scheduling, the batch
-layout, accepting the sampled tokens; the outputs now overlap the next step). This times
+A serving decode step is GPU work plus host work (scheduling, the batch layout, launching,
+reading the previous step's tokens back and emitting their outputs). Steps overlap
+(engine.py), so the GPU waits for the host only when a step's whole host time exceeds its
+GPU time: `median_ms` is the figure to hold against the GPU step. This times
 `LLMEngine.step()` on the embedded tiny model with `ModelRunner.execute` replaced by a stub
 that returns zero logits of the right shape, so what is left is the engine's Python and
 numpy work: the part that would stay on the critical path at any model size. The stub's
 logits cover only the first STUB_VOCAB token ids, so the sampler's arithmetic (device work
 in serving) stays small; compare figures of one machine, not with GPU steps. 128 requests
 decode together, without adapters and with the three shipped adapters (LoRA segments in
-every batch). `critical_median_ms` leaves out the outputs' flush, which a GPU step overlaps.
+every batch). `critical_median_ms` leaves out the outputs' flush (what the GPU waited for
+before the overlap, kept for comparison with earlier figures).
 Host-only: run it on the CPU machine; figures are machine-relative, compare them within one
 run or one machine.
 
@@ -58,8 +61,7 @@ def decode_step_ms(
     runtime: Runtime, sequences: int, new_tokens: int, adapters: bool
 ) -> tuple[list[float], list[float]]:
     """Wall ms of each decode-only step while `sequences` requests run together, and of
-    the part of it outside `_flush_outputs` (the outputs of the step before, which on a
-    GPU run while the GPU computes this step: the rest is what the GPU waits for)."""
+    the part of it outside `_flush_outputs` (the outputs of the step before)."""
     engine, tokenizer = runtime.engine, runtime.tokenizer
     flush = engine._flush_outputs
     flushed = [0.0]

@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
                 "experts": config.experts,
                 "adapter_modules": adapters_label(config),
                 "moe_lora_in_gemm": config.moe_lora_in_gemm,
+                "overlap_steps": config.overlap_steps,
                 "layers": config.layers,
                 "full_model": config.layers == 27,
                 "dtype": config.dtype,

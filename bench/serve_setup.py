@@ -104,6 +104,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="where the routed experts' LoRA expand runs (inference_svc.lora.apply."
         "MOE_LORA_IN_GEMM): auto, or always / never in the grouped GEMM's epilogue (A/B)",
     )
+    parser.add_argument(
+        "--no-overlap-steps",
+        dest="overlap_steps",
+        action="store_false",
+        help="read each step's tokens back before launching the next (A/B of the overlap)",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, short runs")
 
 
@@ -123,6 +129,7 @@ class ServeBenchConfig:
     experts: str = "bf16"  # routed experts' weights: bf16 or fp8 (block-quantized)
     adapter_modules: str = "all"  # a key of ADAPTER_MODULES
     moe_lora_in_gemm: str = "auto"  # inference_svc.lora.apply.MOE_LORA_IN_GEMM
+    overlap_steps: bool = True  # RuntimeConfig.overlap_steps
     smoke: bool = False
 
     def __post_init__(self) -> None:
@@ -155,6 +162,7 @@ class ServeBenchConfig:
                 experts=args.experts,
                 adapter_modules=args.adapter_modules,
                 moe_lora_in_gemm=args.moe_lora_in_gemm,
+                overlap_steps=args.overlap_steps,
             )
         return cls(
             layers=2,
@@ -167,6 +175,7 @@ class ServeBenchConfig:
             experts=args.experts,
             adapter_modules=args.adapter_modules,
             moe_lora_in_gemm=args.moe_lora_in_gemm,
+            overlap_steps=args.overlap_steps,
             smoke=True,
         )
 
@@ -244,6 +253,7 @@ def build_engine(
         max_batch_tokens=config.max_batch_tokens,
         max_queue=config.max_queue,
         cuda_graphs=not config.smoke,
+        overlap_steps=config.overlap_steps,
     )
     source = LocalFileSource(library)
     return assemble_engine(runtime_config, model, config.hf_config, source, InferenceMetrics())

@@ -56,6 +56,9 @@ class RuntimeConfig:
     max_batch_tokens: int = 512
     max_queue: int = 256
     cuda_graphs: bool = True  # capture decode graphs on CUDA
+    # Launch step n+1 before reading step n's tokens back (engine.py); False reads each
+    # step back at once (A/B, debugging).
+    overlap_steps: bool = True
     warm_up: bool = True  # compile every prefill shape class's kernels at start (CUDA)
 
     def __post_init__(self) -> None:
@@ -189,4 +192,4 @@ def assemble_engine(
         residency,
         metrics,
     )
-    return LLMEngine(runner, scheduler, metrics)
+    return LLMEngine(runner, scheduler, metrics, overlap_steps=config.overlap_steps)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from inference_svc.engine.kv_pages import pages_for
+from inference_svc.engine.uploads import to_device
 from inference_svc.lora.batch import LoraBatch, build_lora_batch
 
 # Prefill expands K/V from the cached latent rows of several sequences in one matmul (and
@@ -222,7 +223,7 @@ _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int6
 
 def _to_device(arrays: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
     """The arrays on `device` (same dtypes and shapes) as views of one buffer, so the step
-    pays one host-to-device copy instead of one per field."""
+    pays one host-to-device copy instead of one per field (asynchronous: `to_device`)."""
     offsets, size = [], 0
     for array in arrays:
         offsets.append(size)
@@ -230,7 +231,7 @@ def _to_device(arrays: list[np.ndarray], device: torch.device | str) -> list[tor
     host = np.zeros(size, dtype=np.uint8)
     for array, offset in zip(arrays, offsets, strict=True):
         host[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
-    buffer = torch.from_numpy(host).to(device)
+    buffer = to_device(torch.from_numpy(host), device)
     return [
         buffer[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
         for array, offset in zip(arrays, offsets, strict=True)

@@ -1,4 +1,4 @@
-"""The engine step: schedule → run → postprocess, on one thread.
+"""The engine step: schedule → launch → read the previous step back, on one thread.
 
 `LLMEngine` is single-threaded and has no clock of its own: `EngineLoop`
 (`inference_svc.engine.engine_loop`) drives it from a dedicated thread, and CPU tests can
@@ -8,12 +8,15 @@ A step that raises is retried one sequence at a time, so a request whose step fa
 finished with an error and the others go on (re-running a sequence rewrites the same KV
 rows, so the retry is exact).
 
-Outputs of sequences without stop strings leave one step late: a step appends each new
-token id and applies the endings that need no text (stop token ids, EOS, length) at once,
-so the next step is scheduled from exact state, but detokenizing and emitting the output
-wait until the next step's model run is launched, and run while the GPU computes it.
-Stop strings need the text to decide whether the sequence ends, so those sequences' outputs
-are made at once.
+Steps overlap: step n+1 is scheduled, laid out and launched before step n's tokens are
+read back, so the host's work runs while the GPU computes step n (on a GPU the read-back
+is what waits for it). Each sampled token stays on the device as its sequence's
+`pending_token` until then; step n+1 feeds it to the model straight from the device. A
+sequence whose pending token ends it by length is not scheduled again; one that it ends
+by EOS, a stop id or a stop string was already launched in step n+1, and that row's token
+is dropped when step n+1 is read back (its KV rows land in pages that only later steps,
+on the same stream, can reuse). Reading step n back applies each token (endings first),
+then detokenizes and emits the outputs, still while the GPU computes step n+1.
 """
 
 from __future__ import annotations
@@ -31,14 +34,25 @@ from adapter_store.errors import LoraserveError
 from inference_svc.adapters.residency_publisher import ResidencyEntry
 from inference_svc.engine.batch import SequenceStep, build_batch
 from inference_svc.engine.model_runner import ModelRunner
-from inference_svc.engine.sampling import make_generator, sample
-from inference_svc.engine.scheduler import PrefetchTicket, ScheduledSeq, Scheduler
+from inference_svc.engine.sampling import (
+    SampledOnHost,
+    SampleOutput,
+    make_generator,
+    sample,
+)
+from inference_svc.engine.scheduler import (
+    PrefetchTicket,
+    ScheduledSeq,
+    Scheduler,
+    SchedulerOutput,
+)
 from inference_svc.engine.sequence import (
     AdapterKey,
     FinishReason,
     Sequence,
     SequenceOutput,
 )
+from inference_svc.engine.uploads import to_device
 from inference_svc.metrics import BASE_LABEL, InferenceMetrics
 
 log = logging.getLogger("loraserve.engine")
@@ -62,6 +76,16 @@ class LoadedAdapterInfo:
     last_used: str  # RFC 3339 UTC, "" when never used
     size_bytes: int
     active_requests: int
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A launched step whose sampled tokens are not read back yet: `drawn` row i is the
+    next token of `seqs[i]`."""
+
+    seqs: list[Sequence]
+    drawn: SampleOutput
+    on_host: SampledOnHost  # the copy of `drawn` to the host, queued right after sampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +112,15 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, metrics: InferenceMetrics):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        metrics: InferenceMetrics,
+        overlap_steps: bool = True,
+    ):
         self.runner = runner
+        self.overlap_steps = overlap_steps
         self.scheduler = scheduler
         self.metrics = metrics
         self.device = runner.device
@@ -98,6 +129,7 @@ class LLMEngine:
         metrics.slots_total.set(scheduler.slots.max_loras)
         # Accepted tokens whose outputs are not made yet, in the order they were sampled.
         self._pending_outputs: list[AcceptedToken] = []
+        self._launched: LaunchedStep | None = None  # the step not read back yet
 
     # -- requests -------------------------------------------------------------------------
 
@@ -112,7 +144,12 @@ class LLMEngine:
         seq = self.scheduler.get(request_id)
         if seq is None:
             return False
-        self._flush_outputs()  # the tokens it was already given leave before the cancel
+        # The tokens it was already given leave before the cancel: read the launched step
+        # back (a sync, only on a cancel) and emit what waits.
+        self._read_back()
+        self._flush_outputs()
+        if seq.is_finished:  # its last token was among them
+            return True
         self._finish(seq, FinishReason.CANCELLED)
         self._emit(seq, SequenceOutput(request_id, [], "", [], None, FinishReason.CANCELLED))
         return True
@@ -121,7 +158,9 @@ class LLMEngine:
         self.scheduler.prefetch(ticket)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending_outputs)
+        return (
+            self.scheduler.has_work() or bool(self._pending_outputs) or self._launched is not None
+        )
 
     def fail_all(self, error: LoraserveError) -> None:
         """Last resort after a scheduler bug: end every request with `error`."""
@@ -132,10 +171,14 @@ class LLMEngine:
 
     def step(self) -> int:
         """One scheduling round; returns the number of tokens run (0: nothing to run)."""
-        out = self.scheduler.schedule()
-        for seq, error in out.failed:
-            self._emit_error(seq, error)
+        out = self._schedule()
+        if not out.scheduled and self._launched is not None:
+            # Nothing to run until the launched step is read back (its sequences all end
+            # by length, or a preempted one waits for its token): read it, schedule again.
+            self._read_back()
+            out = self._schedule()
         if not out.scheduled:
+            self._read_back()
             self._flush_outputs()
             self._update_gauges()
             return 0
@@ -146,11 +189,20 @@ class LLMEngine:
         self.metrics.batch_seqs.observe(len(out.scheduled))
         adapters = {s.seq.adapter_key for s in out.scheduled} - {None}
         self.metrics.batch_adapters.observe(len(adapters))
-        runs = self._run(out.scheduled)
-        self._flush_outputs()  # the previous step's outputs, while the GPU runs this one
-        self._postprocess(runs)
+        launched = self._launch(out.scheduled)
+        self._read_back()  # the previous step, while the GPU runs this one
+        self._set_pending(launched)
+        if not self.overlap_steps:
+            self._read_back()  # this step too: the host waits for it
+        self._flush_outputs()
         self._update_gauges()
         return num_tokens
+
+    def _schedule(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        for seq, error in out.failed:
+            self._emit_error(seq, error)
+        return out
 
     def _run(self, scheduled: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], Tensor]]:
         """The logits of each model run: one run of the whole step, or after a failure one
@@ -176,12 +228,38 @@ class LLMEngine:
 
     def _execute(self, scheduled: list[ScheduledSeq]) -> Tensor:
         steps = [self._sequence_step(s) for s in scheduled]
-        input_ids: list[int] = []
-        for s in scheduled:
-            input_ids += s.seq.token_ids(s.seq.num_computed, s.seq.num_computed + s.query_len)
         batch = build_batch(steps, self.page_size, self.device, self.runner.lora_slot_rank)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
-        return self.runner.execute(ids, batch)  # [L, V]
+        return self.runner.execute(self._input_ids(scheduled), batch)  # [L, V]
+
+    def _input_ids(self, scheduled: list[ScheduledSeq]) -> Tensor:
+        """int64 [T] token ids of the step: known ones from the host, pending ones gathered
+        on the device from the launched step's samples (one copy up, no sync)."""
+        input_ids: list[int] = []
+        pending_rows: list[int] = []  # rows of input_ids that take a pending token
+        source_rows: list[int] = []  # its row in the launched step's samples
+        sampled: Tensor | None = None
+        for s in scheduled:
+            seq = s.seq
+            start, end = seq.num_computed, seq.num_computed + s.query_len
+            known_end = min(end, seq.num_host_tokens)
+            input_ids += seq.token_ids(start, known_end)
+            if end > known_end:  # the one pending token, the last
+                if seq.pending_token is None or end != known_end + 1:
+                    raise RuntimeError(f"{seq.request_id}: tokens to {end}, {known_end} known")
+                tokens, row = seq.pending_token
+                if sampled is not None and tokens is not sampled:
+                    raise RuntimeError("pending tokens from two launched steps")
+                sampled = tokens
+                pending_rows.append(len(input_ids))
+                source_rows.append(row)
+                input_ids.append(0)
+        num_tokens, num_pending = len(input_ids), len(pending_rows)
+        packed = to_device(torch.tensor(input_ids + pending_rows + source_rows), self.device)
+        ids = packed[:num_tokens]
+        if sampled is not None:
+            rows = packed[num_tokens : num_tokens + num_pending]
+            ids.index_copy_(0, rows, sampled.index_select(0, packed[num_tokens + num_pending :]))
+        return ids
 
     @staticmethod
     def _sequence_step(s: ScheduledSeq) -> SequenceStep:
@@ -201,11 +279,13 @@ class LLMEngine:
             row = end
         return spans
 
-    def _postprocess(self, runs: list[tuple[list[ScheduledSeq], Tensor]]) -> None:
+    def _launch(self, scheduled: list[ScheduledSeq]) -> LaunchedStep | None:
+        """Run the model on `scheduled` and draw the next token of every sequence that
+        reaches its last token, on the device (None: no sequence samples)."""
         seqs: list[Sequence] = []
         picked: list[tuple[Tensor, int]] = []  # (run logits, row) that samples seqs[i]
-        for scheduled, logits in runs:
-            for s, (first, end) in zip(scheduled, self._row_spans(scheduled), strict=True):
+        for run, logits in self._run(scheduled):
+            for s, (first, end) in zip(run, self._row_spans(run), strict=True):
                 seq = s.seq
                 if s.all_logits:
                     self._score_prompt(seq, logits[first:end])
@@ -218,12 +298,33 @@ class LLMEngine:
                     seqs.append(seq)
                     picked.append((logits, end - 1))
         if not seqs:
-            return
+            return None
         logits = _sampled_rows(picked)  # [B, V]
         drawn = sample(logits, [s.params.sampling for s in seqs], [s.generator for s in seqs])
-        self._count_generated(seqs)
-        token_ids, logprobs = drawn.to_lists()
-        for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
+        return LaunchedStep(seqs, drawn, drawn.start_host_copy())
+
+    def _set_pending(self, launched: LaunchedStep | None) -> None:
+        """Make `launched` the step to read back next; its tokens become pending."""
+        self._launched = launched
+        if launched is None:
+            return
+        for row, seq in enumerate(launched.seqs):
+            if not seq.is_finished:
+                seq.pending_token = (launched.drawn.token_ids, row)
+
+    def _read_back(self) -> None:
+        """Read the launched step's tokens to the host (waiting for its GPU work) and apply
+        them; sequences that ended meanwhile drop theirs."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return
+        token_ids, logprobs = launched.on_host.to_lists()
+        for seq in launched.seqs:
+            seq.pending_token = None
+        live = [i for i, seq in enumerate(launched.seqs) if not seq.is_finished]
+        self._count_generated([launched.seqs[i] for i in live])
+        for i in live:
+            seq, token, logprob = launched.seqs[i], token_ids[i], logprobs[i]
             try:
                 if seq.params.stop:
                     self._append_token(seq, token, logprob)

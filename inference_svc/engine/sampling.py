@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from inference_svc.engine.uploads import to_device
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -53,12 +55,39 @@ class SampleOutput:
     token_ids: Tensor  # int64 [B]
     logprobs: Tensor  # float32 [B], log_softmax of the unmodified logits at token_ids
 
-    def to_lists(self) -> tuple[list[int], list[float]]:
-        """Token ids and logprobs as Python lists, as `.tolist()` of each gives them, in one
-        device→host copy: each copy to the host waits for the device, so two would sync
-        twice per step. The logprobs travel bit for bit as float64 inside an int64 row."""
+    def start_host_copy(self) -> SampledOnHost:
+        """Queue the copy of token ids and logprobs to the host behind the sampling, in one
+        device→host copy (logprobs bit for bit as float64 inside an int64 row), without
+        waiting: on CUDA into pinned memory, with an event to wait for it alone. Work
+        queued after it (the next step) does not delay it, as a `.cpu()` issued later
+        would be delayed."""
         logprob_bits = self.logprobs.double().view(torch.int64)
-        host = torch.stack((self.token_ids, logprob_bits)).cpu().numpy()  # [2, B]
+        packed = torch.stack((self.token_ids, logprob_bits))  # [2, B]
+        if not packed.is_cuda:
+            return SampledOnHost(packed, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return SampledOnHost(host, copied)
+
+    def to_lists(self) -> tuple[list[int], list[float]]:
+        """Token ids and logprobs as Python lists, as `.tolist()` of each gives them."""
+        return self.start_host_copy().to_lists()
+
+
+@dataclass(frozen=True)
+class SampledOnHost:
+    """Sampled ids and logprobs on their way to the host (`SampleOutput.start_host_copy`)."""
+
+    packed: Tensor  # int64 [2, B] on the host: ids, float64 bits of the logprobs
+    copied: torch.cuda.Event | None  # recorded after the copy; None: already there
+
+    def to_lists(self) -> tuple[list[int], list[float]]:
+        """Wait for the copy (only it) and return ids and logprobs as Python lists."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        host = self.packed.numpy()
         return host[0].tolist(), host[1].view(np.float64).tolist()
 
 
@@ -99,7 +128,7 @@ def sample(
     token_ids = logits.argmax(dim=-1)  # [B]; rows that sample overwrite theirs
     sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
     if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
+        rows = to_device(torch.tensor(sampled_rows), logits.device)
         probs = filtered_probs(logits[rows], [params[row] for row in sampled_rows])  # [b, V]
         for index, row in enumerate(sampled_rows):
             token_ids[row] = _draw(probs[index], generators[row])
@@ -113,11 +142,17 @@ def filtered_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     Args: logits [b, V] float32. Returns [b, V] float32, each row summing to 1, zero outside
     the kept tokens. Ties at the top-k threshold are all kept.
     """
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)  # [b]
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)  # [b]
+    knobs = to_device(
+        torch.tensor(
+            [[p.temperature, p.top_k if 0 < p.top_k < vocab else vocab, p.top_p] for p in params],
+            dtype=torch.float64,
+        ),
+        logits.device,
+    )  # [b, 3]; top-k counts are exact in float64
+    temperature = knobs[:, 0].float()  # [b]
+    top_k = knobs[:, 1].long()  # [b]
+    top_p = knobs[:, 2].float()  # [b]
 
     scaled = logits / temperature[:, None]  # [b, V]
     ordered, order = scaled.sort(dim=-1, descending=True)  # [b, V]

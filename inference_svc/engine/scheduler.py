@@ -235,6 +235,9 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             seq = self.running[index]
+            if seq.pending_ends_by_length(self.config.max_model_len):
+                index += 1  # its pending token is its last: it ends when that is read
+                continue
             remaining = seq.num_remaining
             want = 1 if remaining == 1 else min(remaining, budget)
             if want == 0:
@@ -264,6 +267,10 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self._preempted and self._room(budget):
+            if self._preempted[0].pending_token is not None:
+                # Its last token is still on the device: it restarts once that is read
+                # (next step), and nobody overtakes it meanwhile.
+                return
             if not self._start(self._preempted[0], out, budget):
                 return
             budget -= out.scheduled[-1].query_len

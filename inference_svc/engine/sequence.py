@@ -1,11 +1,13 @@
 """One generation request as the engine sees it: its tokens, its place in the KV cache, its
 adapter reference, and what it still owes the client.
 
-A sequence's tokens are `prompt + output`; `num_computed` of them are in the KV cache. A
-step runs tokens `[num_computed, num_computed + query_len)`; when a step reaches the last
-token, its logits sample the next one. Preemption (recompute) sets `num_computed` back to 0
-and keeps the output, so the re-run prefill covers prompt and output and sampling goes on
-where it stopped, with the same random generator.
+A sequence's tokens are `prompt + output`, plus at most one token drawn on the device whose
+id the host does not know yet (`pending_token`: the engine launches the next step before it
+reads the last step's tokens back); `num_computed` of them are in the KV cache. A step runs
+tokens `[num_computed, num_computed + query_len)`; when a step reaches the last token, its
+logits sample the next one. Preemption (recompute) sets `num_computed` back to 0 and keeps
+the output, so the re-run prefill covers prompt and output and sampling goes on where it
+stopped, with the same random generator.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from adapter_store.errors import InvalidArgument, LoraserveError
 from inference_svc.engine.detokenizer import Decoder, IncrementalDetokenizer
@@ -126,6 +129,8 @@ class Sequence:
         self.sink = sink
         self.status = SequenceStatus.WAITING
         self.num_computed = 0
+        # The last token while it exists only on the device: (sampled ids [B], row).
+        self.pending_token: tuple[Tensor, int] | None = None
         self.pages: list[int] = []
         self.slot_handle: SlotHandle | None = None
         # Made on the logits' device when the engine accepts the request.
@@ -153,7 +158,23 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens, the pending one included."""
+        return self.num_host_tokens + (self.pending_token is not None)
+
+    @property
+    def num_host_tokens(self) -> int:
+        """Tokens whose ids the host knows: prompt and accepted output."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def pending_ends_by_length(self, max_model_len: int) -> bool:
+        """The pending token will end the sequence by length (max_new_tokens or the model
+        length), whatever its id: the sequence needs no further step."""
+        if self.pending_token is None:
+            return False
+        return (
+            len(self.output_token_ids) + 1 >= self.params.max_new_tokens
+            or self.num_tokens >= max_model_len
+        )
 
     @property
     def num_remaining(self) -> int:
@@ -171,7 +192,7 @@ class Sequence:
         )
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output (0 <= start).
+        """Tokens [start, end) of prompt + output (0 <= start, end <= num_host_tokens).
 
         Slices the two lists rather than joining them: a decode asks for one token every
         step, and a copy of its whole history would grow with the sequence.

@@ -78,9 +78,9 @@ def test_serve_offline_host_profile_windows(tmp_path: Path) -> None:
             assert step["calls_per_step"] == 1.0
             assert all(v["total_ms_per_step"] <= step["total_ms_per_step"] for v in ours.values())
             assert window["by_self_time"]
-            # The step's direct callees include the model run.
+            # The step's direct callees include the model run's launch.
             step_callees = next(v for k, v in window["callees"].items() if k.endswith(" step"))
-            assert any(k.endswith(" _run") for k in step_callees), step_callees
+            assert any(k.endswith(" _launch") for k in step_callees), step_callees
 
 
 def test_serve_offline_profile_windows_start_where_asked(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from inference_svc.adapters.embedded_source import (
     EmbeddedAdapterSource,
     embedded_binding,
 )
+from inference_svc.engine.sampling import SamplingParams
 from inference_svc.engine.sequence import GenerationParams, Sequence
 from inference_svc.runtime import Runtime, RuntimeConfig, build_runtime
 from tests.inference.bf16_replay import (
@@ -170,3 +171,44 @@ def test_cuda_graph_decode_gives_eager_tokens() -> None:
     graphed, _, _ = run(make_runtime("cuda", "bfloat16", cuda_graphs=True), cases)
     for a, b in zip(eager, graphed, strict=True):
         assert a.output_token_ids == b.output_token_ids, a.request_id
+
+
+@pytest.mark.gpu
+def test_a_step_is_launched_without_waiting_for_the_device() -> None:
+    """Steps overlap only if laying out and launching one never waits for the GPU (a sync
+    would wait for the step before it): with torch's sync debug mode at "error", any
+    synchronizing call in a launch — prefill and graphed decode steps, adapters, greedy and
+    seeded sampling — raises. Only the read-back of the launched step may sync."""
+    runtime = make_runtime("cuda", "bfloat16", cuda_graphs=True)
+    engine, tokenizer = runtime.engine, runtime.tokenizer
+    seqs = []
+    for i, (adapter, prompt) in enumerate(CASES * 2):
+        sampling = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=i) if i % 2 else None
+        params = GenerationParams(
+            max_new_tokens=NEW_TOKENS, ignore_eos=True, sampling=sampling or SamplingParams()
+        )
+        seq = Sequence(f"s{i}", tokenizer.encode(prompt), params, tokenizer, (), None)
+        seq.adapter = binding(adapter) if adapter else None
+        engine.add_request(seq)
+        seqs.append(seq)
+    launch = engine._launch
+    launches = 0
+
+    def strict_launch(scheduled):  # type: ignore[no-untyped-def]
+        nonlocal launches
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = launch(scheduled)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launches += 1
+        return launched
+
+    engine._launch = strict_launch
+    deadline = time.monotonic() + 300
+    while engine.has_work():
+        if engine.step() == 0:
+            time.sleep(0.005)  # adapters streaming in
+        assert time.monotonic() < deadline
+    assert launches >= NEW_TOKENS
+    assert all(len(s.output_token_ids) == NEW_TOKENS for s in seqs)

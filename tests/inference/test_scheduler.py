@@ -311,6 +311,70 @@ def test_preemption_frees_the_youngest_and_recomputes_it() -> None:
     assert scheduler.pages.num_free == 4
 
 
+def complete_overlapped(scheduler: Scheduler, out: SchedulerOutput, launched: list) -> list:
+    """What the overlapping engine does after launching `out`: advance the scheduled
+    sequences, read back the previous launch (`launched`: append its tokens, finish by
+    length), then the sequences `out` sampled hold a pending token. Returns those."""
+    sampled = []
+    for s in out.scheduled:
+        s.seq.num_computed += s.query_len
+        if s.seq.num_computed == s.seq.num_tokens:
+            sampled.append(s.seq)
+    for s in launched:
+        s.pending_token = None
+        if not s.is_finished:
+            s.output_token_ids.append(66)
+            if len(s.output_token_ids) >= s.params.max_new_tokens:
+                scheduler.finish(s, FinishReason.LENGTH)
+    for s in sampled:
+        if not s.is_finished:
+            s.pending_token = (torch.zeros(len(sampled), dtype=torch.int64), 0)
+    return sampled
+
+
+def test_a_pending_token_is_a_decode_unless_it_ends_the_sequence_by_length() -> None:
+    scheduler, _, _ = make_scheduler(page_size=4)
+    one, three = seq(None, prompt_len=4, max_new=1), seq(None, prompt_len=4, max_new=3)
+    for s in (one, three):
+        scheduler.add(s)
+    launched = complete_overlapped(scheduler, scheduler.schedule(), [])
+    assert one.pending_token is not None and three.pending_token is not None
+    out = scheduler.schedule()
+    # `one`'s pending token is its last: not run again; `three` decodes it (a 5th token
+    # needs a second page).
+    assert [(s.seq, s.query_len) for s in out.scheduled] == [(three, 1)]
+    assert len(three.pages) == 2 and three.num_tokens == 5 and three.num_host_tokens == 4
+    complete_overlapped(scheduler, out, launched)
+    assert one.finish_reason is FinishReason.LENGTH and one.pages == []
+    assert three.output_token_ids == [66] and three.pending_token is not None
+
+
+def test_preempted_sequences_restart_only_once_their_pending_token_is_read() -> None:
+    scheduler, _, _ = make_scheduler(num_pages=4, page_size=4)
+    old, young = seq(None, prompt_len=6, max_new=8), seq(None, prompt_len=6, max_new=8)
+    scheduler.add(old)
+    launched = complete_overlapped(scheduler, scheduler.schedule(), [])
+    scheduler.add(young)
+    restarts, preempted_with_token = 0, False
+    for _ in range(100):
+        if not scheduler.has_work() and not launched:
+            break
+        out = scheduler.schedule()
+        if young.status is SequenceStatus.WAITING and young.pending_token is not None:
+            preempted_with_token = True
+            assert young not in [s.seq for s in out.scheduled]
+        for s in out.scheduled:
+            if s.seq.pending_token is not None:  # only ever a decode of the pending token
+                assert s.query_len == 1 and s.seq.num_computed == s.seq.num_host_tokens
+            if s.seq is young and young.preemptions and s.seq.num_computed == 0:
+                restarts += 1
+                assert s.query_len == young.num_host_tokens  # prompt and every output token
+        launched = complete_overlapped(scheduler, out, launched)
+    assert preempted_with_token and restarts == young.preemptions and old.preemptions == 0
+    assert old.finish_reason is young.finish_reason is FinishReason.LENGTH
+    assert len(young.output_token_ids) == 8 and scheduler.pages.num_free == 4
+
+
 def test_running_sequences_take_a_page_only_when_they_cross_into_it() -> None:
     scheduler, _, _ = make_scheduler(page_size=4)
     short, long = seq(None, prompt_len=3, max_new=12), seq(None, prompt_len=9, max_new=12)
