@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--max-queue", type=int, default=256, help="waiting requests before refusing")
     add_flag(
         serve,
+        "--overlap-steps",
+        type=bool,
+        default=True,
+        help="launch each step before reading the previous one back (throughput; a new "
+        "request joins one step later: --no-overlap-steps for the lowest time to first token)",
+    )
+    add_flag(
+        serve,
         "--tenant-max-concurrent",
         type=int,
         default=0,
@@ -109,6 +117,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
             max_num_seqs=args.max_num_seqs,
             max_batch_tokens=args.max_batch_tokens,
             max_queue=args.max_queue,
+            overlap_steps=args.overlap_steps,
         ),
         store_address=args.store,
         store_tls_ca=args.store_tls_ca or None,

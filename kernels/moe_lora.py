@@ -396,38 +396,41 @@ def add_pair_lora(
     """acc [m, n] (float32 tile of `expert`, rows `pair` where `real`, columns
     n_start + [0, BLOCK_N)) plus the `MoeLoraEpilogue` term. Rows come in token order
     within an expert and the scheduler orders tokens by slot, so a tile holds a few slots:
-    one masked MMA per slot and slice, against B rows the tile reads once."""
+    per slice and rank block, the tile's y columns are gathered once, then one masked MMA
+    per slot against B rows the tile reads once. The slots' MMAs run one after another
+    (each waits for its B load): the y gather is kept out of that chain (y is zero past
+    each slot's rank, so the pool rank bounds it)."""
     tok = tl.load(pair_token_ptr + pair, mask=real, other=-1)
     slot = tl.load(token_slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)  # [m]
     offs = tl.arange(0, BLOCK_M)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     width = N // SLICES
     b_expert = tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64)
-    done = slot < 0
-    while tl.min(done.to(tl.int32)) == 0:
-        run_slot = _first_pending_key(offs, slot, done, BLOCK_M)
-        sel = slot == run_slot
-        rank = tl.load(slot_rank_ptr + run_slot)
-        b_key = b_ptr + run_slot.to(tl.int64) * stride_bs + b_expert * stride_be
-        for i in tl.static_range(SLICES):
-            # Only the slices this column tile overlaps (a tile may straddle gate | up).
-            if (n_start < (i + 1) * width) & (n_start + BLOCK_N > i * width):
-                in_slice = (offs_n >= i * width) & (offs_n < (i + 1) * width)
-                for r0 in range(0, rank, BLOCK_R):
-                    offs_r = r0 + tl.arange(0, BLOCK_R)
-                    mask_r = offs_r < rank
-                    y = tl.load(
-                        y_ptr + pair[:, None].to(tl.int64) * stride_yp + (i * R + offs_r)[None, :],
-                        mask=sel[:, None] & mask_r[None, :],
-                        other=0.0,
-                    )  # [m, r]
+    for i in tl.static_range(SLICES):
+        # Only the slices this column tile overlaps (a tile may straddle gate | up).
+        if (n_start < (i + 1) * width) & (n_start + BLOCK_N > i * width):
+            in_slice = (offs_n >= i * width) & (offs_n < (i + 1) * width)
+            for r0 in range(0, R, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                y = tl.load(
+                    y_ptr + pair[:, None].to(tl.int64) * stride_yp + (i * R + offs_r)[None, :],
+                    mask=(slot >= 0)[:, None] & (offs_r < R)[None, :],
+                    other=0.0,
+                )  # [m, r]
+                done = slot < 0
+                while tl.min(done.to(tl.int32)) == 0:
+                    run_slot = _first_pending_key(offs, slot, done, BLOCK_M)
+                    sel = slot == run_slot
+                    rank = tl.load(slot_rank_ptr + run_slot)
+                    b_key = b_ptr + run_slot.to(tl.int64) * stride_bs + b_expert * stride_be
                     b = tl.load(
                         b_key + offs_n[None, :] * stride_bn + offs_r[:, None],
-                        mask=in_slice[None, :] & mask_r[:, None],
+                        mask=in_slice[None, :] & (offs_r < rank)[:, None],
                         other=0.0,
                     )  # [r, n]
-                    acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
-        done = done | sel
+                    y_run = tl.where(sel[:, None], y, 0.0).to(b.dtype)
+                    acc = tl.dot(y_run, b, acc, input_precision=DOT_PRECISION)
+                    done = done | sel
     return acc
 
 

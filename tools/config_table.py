@@ -68,7 +68,10 @@ def _rows(parser: argparse.ArgumentParser) -> Iterator[str]:
     for action in parser._actions:
         if not action.option_strings or isinstance(action, argparse._HelpAction):
             continue
-        flag = max(action.option_strings, key=len)
+        # The first long form: `--port` over `-p`, `--overlap-steps` over its `--no-` form.
+        flag = next(
+            (o for o in action.option_strings if o.startswith("--")), action.option_strings[0]
+        )
         has_env = f"[env {env_name(flag)}]" in (action.help or "")
         env = f"`{env_name(flag)}`" if has_env else "—"
         if action.required:

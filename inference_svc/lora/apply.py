@@ -157,10 +157,11 @@ MOE_LORA_IN_GEMM = "auto"
 # GEMM: each adapter in a tile costs the epilogue one serial masked MMA. Rows per key =
 # the token-weighted mean adapter run × top_k / experts (decode rows beside long prompts
 # add a tile of many adapters per expert, not a smaller mean for every tile). H100, 8192/2048-
-# token MoE stage (bench.moe_lora_prefill): bf16 experts 1.09-1.23× faster in the GEMM from
-# 24 rows per key, 0.86× at 6; FP8 (128-column tiles: twice the epilogues) 0.90-0.94× at
-# 24, 1.04-1.07× from 96. Quantized schemes other than FP8 are unmeasured: FP8's bound.
-MOE_LORA_IN_GEMM_MIN_ROWS = {"float": 16, "quantized": 64}
+# token MoE stage (bench.moe_lora_prefill, v3: the tile's y gathered once per slice): bf16
+# experts 1.14-1.28× faster in the GEMM from 24 rows per key, 0.95× at 6; FP8 (128-column
+# tiles: twice the epilogues) 1.01× at 24, 1.08-1.11× from 96, 0.82× at 6. Quantized
+# schemes other than FP8 are unmeasured: FP8's bound.
+MOE_LORA_IN_GEMM_MIN_ROWS = {"float": 16, "quantized": 24}
 
 
 def moe_lora_in_gemm(segs: LoraSegments, top_k: int, num_experts: int, quantized: bool) -> bool:

@@ -24,7 +24,8 @@ def _segs(runs: int, tokens: int, base_tokens: int = 0):  # type: ignore[no-unty
         (1, 8192, False, True),  # 768 rows per key
         (32, 8192, False, True),  # 24
         (32, 2048, False, False),  # 6: the per-adapter epilogue MMAs cost more
-        (8, 2048, True, False),  # 24: FP8's 128-column tiles need 64
+        (32, 2048, True, False),  # 6: FP8's 128-column tiles, twice the epilogues
+        (8, 2048, True, True),  # 24
         (8, 8192, True, True),  # 96
         (1, 128, False, False),  # decode-sized: the "pairs" kernel after the GEMM
     ],
