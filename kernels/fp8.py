@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import cdiv
+
 FP8_DTYPE = torch.float8_e4m3fn
 
 
@@ -76,11 +78,11 @@ def fp8_block_dequant(
     """Triton version of `block_dequant_ref` for a 2-D weight [N, K]."""
     n, k = w.shape
     bn, bk = block
-    if scale.shape != (triton.cdiv(n, bn), triton.cdiv(k, bk)):
+    if scale.shape != (cdiv(n, bn), cdiv(k, bk)):
         raise ValueError(f"scale {tuple(scale.shape)} does not match weight {(n, k)} / {block}")
     w, scale = w.contiguous(), scale.float().contiguous()
     out = torch.empty((n, k), dtype=dtype, device=w.device)
-    grid = (triton.cdiv(n, 32), triton.cdiv(k, 32))
+    grid = (cdiv(n, 32), cdiv(k, 32))
     _fp8_block_dequant_kernel[grid](
         w, scale, out, n, k, scale.stride(0), BN=bn, BK=bk, BLOCK_N=32, BLOCK_K=32
     )
@@ -140,7 +142,7 @@ def fp8_block_linear(
     """Triton version of `fp8_block_linear_ref`. x [..., K] (bf16/fp16/fp32), w [N, K]."""
     n, k = w.shape
     bn, bk = block
-    if x.shape[-1] != k or scale.shape != (triton.cdiv(n, bn), triton.cdiv(k, bk)):
+    if x.shape[-1] != k or scale.shape != (cdiv(n, bn), cdiv(k, bk)):
         raise ValueError(f"x {tuple(x.shape)}, w {(n, k)}, scale {tuple(scale.shape)} mismatch")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -151,7 +153,7 @@ def fp8_block_linear(
     block_m, block_n, block_k = _gemm_tiles(m, bk)
     if bk % block_k:
         raise ValueError(f"fp8 block_k {bk} must be a multiple of {block_k}")
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
     _fp8_block_gemm_kernel[grid](
         x2, w, scale, y, m, n, k, x2.stride(0), w.stride(0), scale.stride(0), y.stride(0),
         BN=bn, BK=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

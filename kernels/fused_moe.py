@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import block_dequant_ref
+from kernels.host_math import cdiv, next_power_of_2
 from kernels.int_quant import (
     int4_group_dequant_ref,
     int8_channel_dequant_ref,
@@ -63,7 +64,7 @@ class MoEAlignment:
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static upper bound of the padded length (fixed per batch size: CUDA-graph safe)."""
     bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return triton.cdiv(bound, block_m) * block_m
+    return cdiv(bound, block_m) * block_m
 
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
@@ -212,7 +213,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     counts = torch.empty(num_experts, dtype=torch.int32, device=device)
     num_bins = _align_bins(num_experts)
     starts = torch.empty(num_bins, dtype=torch.int32, device=device)  # scratch
-    block_p = max(16, triton.next_power_of_2(num_pairs))
+    block_p = max(16, next_power_of_2(num_pairs))
     _moe_align_kernel[(1,)](
         flat, sorted_ids, block_experts, offsets, counts, starts,
         num_pairs, num_experts, total, num_tiles,
@@ -224,7 +225,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
 
 
 def _align_bins(num_experts: int) -> int:
-    return triton.next_power_of_2(num_experts + 1)  # bin E counts the padding lanes
+    return next_power_of_2(num_experts + 1)  # bin E counts the padding lanes
 
 
 def _align_chunk(num_pairs: int, num_experts: int) -> int | None:
@@ -232,9 +233,9 @@ def _align_chunk(num_pairs: int, num_experts: int) -> int | None:
     too many for the offsets program."""
     max_chunks = ALIGN_CELLS // _align_bins(num_experts)
     chunk = ALIGN_CHUNK_PAIRS
-    while triton.cdiv(num_pairs, chunk) > max_chunks and chunk < ALIGN_MAX_CHUNK_PAIRS:
+    while cdiv(num_pairs, chunk) > max_chunks and chunk < ALIGN_MAX_CHUNK_PAIRS:
         chunk *= 2
-    return chunk if triton.cdiv(num_pairs, chunk) <= max_chunks else None
+    return chunk if cdiv(num_pairs, chunk) <= max_chunks else None
 
 
 def _moe_align_chunked(
@@ -247,7 +248,7 @@ def _moe_align_chunked(
     num_pairs, device = flat.numel(), flat.device
     total = max_padded_pairs(num_pairs, num_experts, block_m)
     num_tiles = total // block_m
-    num_chunks = triton.cdiv(num_pairs, chunk)
+    num_chunks = cdiv(num_pairs, chunk)
     num_bins = _align_bins(num_experts)
     sorted_ids = torch.empty(total, dtype=torch.int32, device=device)
     block_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
@@ -355,7 +356,7 @@ def moe_block_m(num_pairs: int, num_experts: int, scheme: str = "float") -> int:
     want = max(1, int(1.5 * num_pairs / max(1, num_experts)))
     if want >= 128:
         return 128
-    block_m = int(min(64, max(16, triton.next_power_of_2(want))))
+    block_m = int(min(64, max(16, next_power_of_2(want))))
     if scheme == "block" and num_pairs <= FP8_HALF_ROWS_MAX_PAIRS:
         return max(16, block_m // 2)
     return block_m
@@ -505,7 +506,7 @@ def _grouped_gemm_kernel(
 
 def _stored_k(k: int, scheme: str) -> int:
     """Width of the stored weight's last dim for logical K."""
-    return triton.cdiv(k, 2) if scheme == "int4_group" else k
+    return cdiv(k, 2) if scheme == "int4_group" else k
 
 
 @dataclass(frozen=True)
@@ -582,8 +583,8 @@ def grouped_gemm(
     bn, bk = block if block is not None else (1, 1)  # unused without a scale
     if w_scale is not None and w_scale.shape != (
         num_experts,
-        triton.cdiv(n, bn),
-        triton.cdiv(k, bk),
+        cdiv(n, bn),
+        cdiv(k, bk),
     ):
         raise ValueError(f"w_scale {tuple(w_scale.shape)} does not match w / block {block}")
     if scheme in ("block", "int4_group"):
@@ -598,7 +599,7 @@ def grouped_gemm(
         a, a_scale = per_token_quant_int8(a)
     scale = w_scale if w_scale is not None else w  # unused pointer for "float"
     block_n = tiles.block_n
-    grid = (align.block_expert_ids.numel(), triton.cdiv(n, block_n))
+    grid = (align.block_expert_ids.numel(), cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, a_scale, w, scale, out, align.sorted_pair_ids, align.block_expert_ids,
         n, k, align.num_pairs, rows_per_a,
@@ -657,8 +658,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = width // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
-        block = min(1024, triton.next_power_of_2(inter))
-        grid = (rows, triton.cdiv(inter, block))
+        block = min(1024, next_power_of_2(inter))
+        grid = (rows, cdiv(inter, block))
         _silu_mul_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block)
     return out
 
@@ -698,8 +699,8 @@ def moe_combine(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Ten
     weights = topk_weights.float().contiguous()
     out = torch.empty((tokens, hidden), dtype=pair_out.dtype, device=pair_out.device)
     if tokens:
-        block = min(1024, triton.next_power_of_2(hidden))
-        grid = (tokens, triton.cdiv(hidden, block))
+        block = min(1024, next_power_of_2(hidden))
+        grid = (tokens, cdiv(hidden, block))
         _moe_combine_kernel[grid](
             pair_out, weights, out, hidden, pair_out.stride(0), out.stride(0), TOPK=k, BLOCK=block
         )

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import next_power_of_2
+
 INT8_QMAX = 127
 INT4_QMAX = 7
 INT4_OFFSET = 8  # a nibble stores q + 8, so q in [-8, 7] is an unsigned 0..15
@@ -89,7 +91,7 @@ def per_token_quant_int8(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((rows, k), dtype=torch.int8, device=a.device)
     scale = torch.empty(rows, dtype=torch.float32, device=a.device)
     if rows:
-        block = min(1024, triton.next_power_of_2(k))
+        block = min(1024, next_power_of_2(k))
         _per_token_quant_int8_kernel[(rows,)](a, q, scale, k, a.stride(0), q.stride(0), block)
     return q, scale
 

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels import mla_decode_v3 as v3
+from kernels.host_math import cdiv, next_power_of_2
 from kernels.mla_decode_parts import (
     masked_tile,
     online_softmax_step,
@@ -34,7 +35,7 @@ def gather_paged_rows(
 ) -> torch.Tensor:
     """The first `length` cached rows [length, C+R] of one sequence, in position order."""
     page_size = kv_pool.shape[1]
-    pages = page_table_row[: triton.cdiv(length, page_size)].long()
+    pages = page_table_row[: cdiv(length, page_size)].long()
     return kv_pool[pages].reshape(-1, kv_pool.shape[-1])[:length]
 
 
@@ -152,7 +153,7 @@ def _mla_decode_merge_kernel(
 
 def _prune_head_blocks(configs, named_args, **kwargs):
     """Head tiles wider than the (power-of-two-rounded) head count only waste registers."""
-    heads = max(16, triton.next_power_of_2(named_args["H"]))
+    heads = max(16, next_power_of_2(named_args["H"]))
     return [c for c in configs if c.kwargs["BLOCK_H"] <= heads]
 
 
@@ -183,8 +184,8 @@ def default_num_splits(batch: int, heads: int) -> int:
     Aims at ~2 programs per SM of an H100/H200 (132 SMs) counting 64 heads per program
     (the widest tuned head tile); at most 16 splits.
     """
-    programs = batch * triton.cdiv(heads, 64)
-    return max(1, min(16, triton.cdiv(264, programs)))
+    programs = batch * cdiv(heads, 64)
+    return max(1, min(16, cdiv(264, programs)))
 
 
 MLA_DECODE_VARIANTS = ("v2", "v3")
@@ -254,7 +255,7 @@ def mla_decode(
         v3.launch_mla_decode_v3(*args, out, o_part, lse_part, config)
     else:
         _launch_v2(*args, o_part, lse_part, config)
-    block_c = triton.next_power_of_2(latent_dim)
+    block_c = next_power_of_2(latent_dim)
     _mla_decode_merge_kernel[(batch, heads)](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
@@ -270,11 +271,11 @@ def _launch_v2(
     """`_mla_decode_kernel` into the partials o_part [B, H, splits, C] / lse_part [B, H, splits]."""
     batch, heads, latent_dim = q_lat.shape
     splits = o_part.shape[2]
-    block_c = triton.next_power_of_2(latent_dim)
-    block_r = max(16, triton.next_power_of_2(q_rope.shape[-1]))
+    block_c = next_power_of_2(latent_dim)
+    block_r = max(16, next_power_of_2(q_rope.shape[-1]))
     args = (
         q_lat, q_rope, kv_pool, page_table, context_lens, o_part, lse_part,
-        triton.next_power_of_2(batch), heads, scale,
+        next_power_of_2(batch), heads, scale,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), page_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
@@ -284,7 +285,7 @@ def _launch_v2(
              "PAGE_SIZE": kv_pool.shape[1], "NUM_SPLITS": splits}  # fmt: skip
 
     def grid(meta):
-        return (triton.cdiv(heads, meta["BLOCK_H"]), splits, batch)
+        return (cdiv(heads, meta["BLOCK_H"]), splits, batch)
 
     if config is None and q_lat.is_cuda:
         _mla_decode_tuned[grid](*args, **shape)

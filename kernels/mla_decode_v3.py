@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import cdiv, next_power_of_2
 from kernels.mla_decode_parts import (
     masked_tile,
     online_softmax_step,
@@ -151,8 +152,8 @@ def default_v3_config(heads: int) -> triton.Config:
 
 
 def v3_programs_per_split(batch: int, heads: int, latent_dim: int, config: triton.Config) -> int:
-    column_blocks = triton.cdiv(latent_dim, min(config.kwargs["BLOCK_CV"], latent_dim))
-    return batch * triton.cdiv(heads, config.kwargs["BLOCK_H"]) * column_blocks
+    column_blocks = cdiv(latent_dim, min(config.kwargs["BLOCK_CV"], latent_dim))
+    return batch * cdiv(heads, config.kwargs["BLOCK_H"]) * column_blocks
 
 
 def v3_max_splits(heads: int, latent_dim: int) -> int:
@@ -183,9 +184,9 @@ def launch_mla_decode_v3(
     batch, heads, latent_dim = q_lat.shape
     splits = 1 if o_part is None else o_part.shape[2]
     block_h, block_cv = config.kwargs["BLOCK_H"], config.kwargs["BLOCK_CV"]
-    block_cv = min(block_cv, max(16, triton.next_power_of_2(latent_dim)))
+    block_cv = min(block_cv, max(16, next_power_of_2(latent_dim)))
     part, lse = (out, out) if o_part is None else (o_part, lse_part)  # unused when unsplit
-    grid = (triton.cdiv(heads, block_h) * triton.cdiv(latent_dim, block_cv), splits, batch)
+    grid = (cdiv(heads, block_h) * cdiv(latent_dim, block_cv), splits, batch)
     _mla_decode_v3_kernel[grid](
         q_lat, q_rope, kv_pool, page_table, context_lens, out, part, lse,
         heads, scale,
@@ -194,7 +195,7 @@ def launch_mla_decode_v3(
         out.stride(0), out.stride(1),
         part.stride(0), part.stride(1), part.stride(2) if o_part is not None else 0,
         lse.stride(0), lse.stride(1),
-        C=latent_dim, R=q_rope.shape[-1], BLOCK_R=max(16, triton.next_power_of_2(q_rope.shape[-1])),
+        C=latent_dim, R=q_rope.shape[-1], BLOCK_R=max(16, next_power_of_2(q_rope.shape[-1])),
         PAGE_SIZE=kv_pool.shape[1], BLOCK_H=block_h, BLOCK_T=config.kwargs["BLOCK_T"],
         BLOCK_CV=block_cv, num_splits=splits, SINGLE_SPLIT=o_part is None,
         num_warps=config.num_warps, num_stages=config.num_stages,

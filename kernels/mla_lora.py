@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.host_math import next_power_of_2
 from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
 from kernels.sgmv import dot_precision, num_sms
 
@@ -331,9 +332,9 @@ def _launch(
         *w2_strides,
         BLOCK_T=segs.max_seg_len,
         # One tile spans the whole pool rank: the rank-sized intermediate stays in registers.
-        BLOCK_R=max(triton.next_power_of_2(pool_rank), 16),
-        BLOCK_IN=min(triton.next_power_of_2(max(x.shape[2], 16)), 128),
-        BLOCK_OUT=min(triton.next_power_of_2(max(out.shape[2], 16)), 128),
+        BLOCK_R=max(next_power_of_2(pool_rank), 16),
+        BLOCK_IN=min(next_power_of_2(max(x.shape[2], 16)), 128),
+        BLOCK_OUT=min(next_power_of_2(max(out.shape[2], 16)), 128),
         PLANNED=programs_per_sm is not None,
         DOT_PRECISION=dot_precision(x.dtype),
     )

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import cdiv, next_power_of_2
 from kernels.mla_attention import mla_prefill_ref
 
 # Query rows per reference call: bounds its [H, rows, context] float32 score matrix (the
@@ -109,7 +110,7 @@ def mla_prefill_varlen(
     if end <= first:
         return
     heads, nope, rope, v_dim = q_nope.shape[1], q_nope.shape[2], q_rope.shape[2], v.shape[2]
-    grid = (triton.cdiv(max_query_len, BLOCK_M), end - first, heads)
+    grid = (cdiv(max_query_len, BLOCK_M), end - first, heads)
     _mla_prefill_kernel[grid](
         q_nope, q_rope, k_nope, k_rope, v, out,
         query_start_loc, context_start_loc, context_lens, first,
@@ -125,7 +126,7 @@ def mla_prefill_varlen(
 
 def _padded(dim: int) -> int:
     """A power of two ≥ 16 (tl.dot's smallest inner size) holding `dim`."""
-    return max(16, triton.next_power_of_2(dim))
+    return max(16, next_power_of_2(dim))
 
 
 # The group's first sequence changes every call: one compiled kernel for all of them.

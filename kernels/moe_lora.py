@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.host_math import cdiv, next_power_of_2
 from kernels.lora_segments import LoraSegments, live_rank_columns
 from kernels.sgmv import dot_precision, num_sms, plan_split_k, rank_block
 
@@ -583,7 +584,7 @@ def _moe_lora(
     walk = _PairWalk.of(pair_token, pair_expert, segs, pair_order)
     y = _shrink_runs(x, A, walk, x_per_pair, num_slices, pool_rank)
     block_n = 128 if slice_width >= 2048 else 64
-    _moe_lora_expand_kernel[(walk.blocks, num_slices * triton.cdiv(slice_width, block_n))](
+    _moe_lora_expand_kernel[(walk.blocks, num_slices * cdiv(slice_width, block_n))](
         y,
         B,
         out,
@@ -631,7 +632,7 @@ class _PairWalk:
         meta = (
             pair_token, pair_expert, segs.token_slot, segs.slot_rank, num_pairs, order, order_len
         )  # fmt: skip
-        blocks = triton.cdiv(order_len, block_p)
+        blocks = cdiv(order_len, block_p)
         return _PairWalk(meta, pair_order is not None, blocks, block_p)
 
 
@@ -645,7 +646,7 @@ def _shrink_runs(
         return y
     k_dim = x.shape[1]
     block_r = rank_block(pool_rank)
-    rank_programs = num_slices * triton.cdiv(pool_rank, block_r)
+    rank_programs = num_slices * cdiv(pool_rank, block_r)
     block_k, k_per_split, split_k = plan_split_k(k_dim, walk.blocks * rank_programs)
     _moe_lora_shrink_kernel[(walk.blocks, rank_programs, split_k)](
         x,
@@ -687,22 +688,22 @@ def _moe_lora_pairs(
     pool_rank = B.shape[3]
     num_slices = A.shape[2] // pool_rank
     slice_width = out.shape[1] // num_slices
-    block_r = max(triton.next_power_of_2(pool_rank), 16)
+    block_r = max(next_power_of_2(pool_rank), 16)
     wanted_chunks = max(1, target_programs // (num_pairs * num_slices))
     # Tiles of at most 8192 elements (64 float32 registers per thread at 4 warps), at least
     # 64 columns (a chunk's shrink costs as much as 4-8 column blocks).
-    cols = triton.next_power_of_2(triton.cdiv(slice_width, wanted_chunks))
+    cols = next_power_of_2(cdiv(slice_width, wanted_chunks))
     block_n = min(8192 // block_r, max(cols, 64))
-    n_blocks = triton.cdiv(slice_width, block_n)
+    n_blocks = cdiv(slice_width, block_n)
     chunks = min(n_blocks, wanted_chunks)
-    cols_per_program = triton.cdiv(n_blocks, chunks) * block_n
-    chunks = triton.cdiv(slice_width, cols_per_program)
+    cols_per_program = cdiv(n_blocks, chunks) * block_n
+    chunks = cdiv(slice_width, cols_per_program)
     _moe_lora_pair_kernel[(num_pairs * num_slices * chunks,)](
         x, A, B, out, pair_token, pair_expert, segs.token_slot, segs.slot_rank,
         k_dim, slice_width, pool_rank, A.shape[1], B.shape[1], cols_per_program, chunks,
         *x.stride(), *A.stride(), *B.stride(), *out.stride(),
         NUM_SLICES=num_slices, X_PER_PAIR=x_per_pair,
-        BLOCK_R=block_r, BLOCK_K=min(8192 // block_r, triton.next_power_of_2(max(k_dim, 16))),
+        BLOCK_R=block_r, BLOCK_K=min(8192 // block_r, next_power_of_2(max(k_dim, 16))),
         BLOCK_N=block_n,
     )  # fmt: skip
 

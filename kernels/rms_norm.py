@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import next_power_of_2
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Semantics: y = w · (x / sqrt(mean(x², -1) + eps)).to(x.dtype), the reduction in fp32.
@@ -46,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty((rows, dim), dtype=torch.promote_types(x.dtype, weight.dtype),
                       device=x.device)  # fmt: skip
     if rows:
-        block = triton.next_power_of_2(dim)
+        block = next_power_of_2(dim)
         _rms_norm_kernel[(rows,)](
             x, weight, out, dim, x.stride(0), out.stride(0), eps, BLOCK_D=block,
             num_warps=4 if block <= 2048 else 8,

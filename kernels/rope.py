@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import cdiv, next_power_of_2
+
 
 def rope_ref(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
@@ -74,11 +76,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
     if tokens:
-        block_m = min(16, triton.next_power_of_2(heads))
-        _rope_kernel[(tokens, triton.cdiv(heads, block_m))](
+        block_m = min(16, next_power_of_2(heads))
+        _rope_kernel[(tokens, cdiv(heads, block_m))](
             x3, cos, sin, out, heads,
             x3.stride(0), x3.stride(1), cos.stride(0), out.stride(0), out.stride(1),
-            HALF=half, BLOCK_M=block_m, BLOCK_HALF=triton.next_power_of_2(half),
+            HALF=half, BLOCK_M=block_m, BLOCK_HALF=next_power_of_2(half),
             INTERLEAVE=interleave,
         )  # fmt: skip
     return out.view(x.shape)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.host_math import cdiv, next_power_of_2
 from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
 
 # Expand supports this many stacked slices (DeepSeek needs 2: qkv_a, gate_up).
@@ -358,20 +359,20 @@ def plan_split_k(k_dim: int, programs: int) -> tuple[int, int, int]:
     """(BLOCK_K, K per program, K splits) so that `programs` × splits fills the GPU: a
     decode step of one token would otherwise leave one program walking all of K."""
     if k_dim < 64:
-        block_k = triton.next_power_of_2(max(k_dim, 16))
-    elif k_dim < 128 or programs * triton.cdiv(k_dim, 128) < _TARGET_PROGRAMS:
+        block_k = next_power_of_2(max(k_dim, 16))
+    elif k_dim < 128 or programs * cdiv(k_dim, 128) < _TARGET_PROGRAMS:
         block_k = 64  # B=1 at hidden 7168: 112 programs instead of 56
     else:
         block_k = 128
-    k_blocks = triton.cdiv(k_dim, block_k)
+    k_blocks = cdiv(k_dim, block_k)
     split_k = max(1, min(k_blocks, _TARGET_PROGRAMS // programs))
-    k_per_split = triton.cdiv(k_blocks, split_k) * block_k
-    return block_k, k_per_split, triton.cdiv(k_dim, k_per_split)
+    k_per_split = cdiv(k_blocks, split_k) * block_k
+    return block_k, k_per_split, cdiv(k_dim, k_per_split)
 
 
 def rank_block(pool_rank: int) -> int:
     """Rank tile: the pool rank rounded up to a power of two, within tl.dot's 16..64."""
-    return min(max(triton.next_power_of_2(pool_rank), 16), 64)
+    return min(max(next_power_of_2(pool_rank), 16), 64)
 
 
 @dataclass(frozen=True)
@@ -468,7 +469,7 @@ def sgmv_shrink(
     if num_tokens == 0:
         return out
     block_r = rank_block(pool_rank)
-    rank_programs = num_slices * triton.cdiv(pool_rank, block_r)
+    rank_programs = num_slices * cdiv(pool_rank, block_r)
     grid_segments = segs.grid_segments()
     meta = (segs.seg_indptr, segs.seg_slot, segs.slot_rank)
     strides = (*x.stride(), *A.stride(), *out.stride())
@@ -484,9 +485,9 @@ def sgmv_shrink(
             BLOCK_K=block_k, ATOMIC=split_k > 1, **common,
         )  # fmt: skip
         return out
-    block_k = plan.block if k_dim >= (plan.block or 0) else triton.next_power_of_2(max(k_dim, 16))
+    block_k = plan.block if k_dim >= (plan.block or 0) else next_power_of_2(max(k_dim, 16))
     target_items = plan.programs_per_sm * num_sms(x.device)
-    max_items = grid_segments * rank_programs * triton.cdiv(k_dim, block_k)
+    max_items = grid_segments * rank_programs * cdiv(k_dim, block_k)
     programs = min(max_items, max(target_items, grid_segments * rank_programs))
     _sgmv_shrink_planned_kernel[(programs,)](
         x, A, out, *meta, segs.num_segments, k_dim, pool_rank, rank_programs, target_items,
@@ -536,7 +537,7 @@ def sgmv_expand(
     grid_segments = segs.grid_segments()
     if plan.block is None:
         # Wide tiles for wide outputs unless that leaves SMs idle (B=1: 112 programs, not 56).
-        wide = grid_segments * triton.cdiv(out_total, 128) >= _TARGET_PROGRAMS
+        wide = grid_segments * cdiv(out_total, 128) >= _TARGET_PROGRAMS
         block_n = 128 if wide else 64
     else:
         block_n = plan.block
@@ -544,7 +545,7 @@ def sgmv_expand(
     slice_cols = [*slice_offsets[1:-1], *[_UNUSED] * (MAX_SLICES - num_slices)]
     for i in range(num_slices):
         width = slice_offsets[i + 1] - slice_offsets[i]
-        block_cols[i + 1] = block_cols[i] + triton.cdiv(width, block_n)
+        block_cols[i + 1] = block_cols[i] + cdiv(width, block_n)
     slice_blocks = [*block_cols[1:num_slices], *[_UNUSED] * (MAX_SLICES - num_slices)]
     n_blocks = block_cols[num_slices]
     programs = grid_segments * n_blocks
