@@ -48,7 +48,11 @@ PATCHES = {
     "fp8_rows": (fm, "FP8_HALF_ROWS_MAX_PAIRS", 0),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
-UPGRADES: dict[str, tuple] = {}
+UPGRADES: dict[str, tuple] = {
+    # FP8 experts scale the weight tile and chain the MMA at decode row tiles too (the
+    # model does so from SCALE_TILES_MIN_ROWS rows: prefill tiles).
+    "fp8_scale_tiles": (fm, "SCALE_TILES_MIN_ROWS", 16),
+}
 VARIANTS: dict[str, frozenset[str]] = {
     "v1": frozenset(PATCHES),
     "v2": frozenset(),

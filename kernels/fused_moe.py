@@ -437,7 +437,7 @@ def _grouped_gemm_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     ly_ptr, lb_ptr, l_pair_token_ptr, l_token_slot_ptr, l_slot_rank_ptr, LORA_R, LORA_B_EXPERTS,
     stride_ly, stride_lbs, stride_lbe, stride_lbn,
-    BN: tl.constexpr, BK: tl.constexpr, SCHEME: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, SCHEME: tl.constexpr, SCALE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LORA_SLICES: tl.constexpr, LORA_BLOCK_R: tl.constexpr, LORA_DOT: tl.constexpr,
 ):  # fmt: skip
@@ -483,7 +483,14 @@ def _grouped_gemm_kernel(
         else:
             # BLOCK_K divides BK: the tile lies in one scale block (or group) along K.
             s = tl.load(s_base + (offs_n // BN) * stride_sn + k0 // BK, mask=offs_n < N, other=0.0)
-            acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
+            if SCALE_TILES:
+                # Scale the weight tile, then chain the MMA into acc: Hopper overlaps a
+                # chained MMA with the next tile's loads, where scaling each product must
+                # wait for its MMA and pass over acc (the dequantized weight is rounded to
+                # a's dtype, as a checkpoint in that dtype would be).
+                acc = tl.dot(a, (b.to(tl.float32) * s[None, :]).to(a.dtype), acc)
+            else:
+                acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
     if SCHEME == 2:
         a_scale = tl.load(a_scale_ptr + a_row, mask=real, other=0.0)  # [BLOCK_M]
         w_scale = tl.load(s_base + offs_n * stride_sn, mask=offs_n < N, other=0.0)  # [BLOCK_N]
@@ -551,6 +558,13 @@ DECODE_TILES: dict[str, dict[int, GemmTiles]] = {
 }
 
 
+# FP8 block-scaled row tiles from this size scale each weight tile before its MMA and chain
+# the MMA into the accumulator (prefill: compute-bound, the MMAs must overlap the loads);
+# smaller tiles (decode: bandwidth-bound, a 16-row accumulator) scale each product, a
+# pass over 16 rows instead of over the K × N weight tile.
+SCALE_TILES_MIN_ROWS = 128
+
+
 def default_tiles(block_m: int, scheme: str) -> GemmTiles:
     if block_m >= 128:
         return PREFILL_TILES.get(scheme, DEFAULT_TILES)
@@ -609,6 +623,7 @@ def grouped_gemm(
         out.stride(0),
         *_lora_arguments(lora, out, align.num_pairs, n),
         BN=bn, BK=bk, SCHEME=WEIGHT_SCHEMES[scheme],
+        SCALE_TILES=scheme == "block" and align.block_m >= SCALE_TILES_MIN_ROWS,
         BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         LORA_SLICES=lora.num_slices if lora is not None else 0,
         LORA_BLOCK_R=rank_block(lora.b.shape[3]) if lora is not None else 16,
