@@ -585,6 +585,8 @@ def grouped_gemm(
     """Triton version of `grouped_gemm_ref` (same arguments and result).
 
     "w8a8" quantizes `a` per row with `per_token_quant_int8` first (one extra launch).
+    "block" (FP8) row tiles of SCALE_TILES_MIN_ROWS and more round each dequantized weight
+    tile to a's dtype before its MMA (the reference keeps the scaled weight in float32).
     tiles: None picks `default_tiles(align.block_m, scheme)`; a scale block along K must be
     a multiple of the K tile (the FP8 and int4 schemes use min(tiles.block_k, BK)).
     """
