@@ -71,10 +71,6 @@ class SampleOutput:
         copied.record()
         return SampledOnHost(host, copied)
 
-    def to_lists(self) -> tuple[list[int], list[float]]:
-        """Token ids and logprobs as Python lists, as `.tolist()` of each gives them."""
-        return self.start_host_copy().to_lists()
-
 
 @dataclass(frozen=True)
 class SampledOnHost:
@@ -84,7 +80,8 @@ class SampledOnHost:
     copied: torch.cuda.Event | None  # recorded after the copy; None: already there
 
     def to_lists(self) -> tuple[list[int], list[float]]:
-        """Wait for the copy (only it) and return ids and logprobs as Python lists."""
+        """Wait for the copy (only it) and return ids and logprobs as Python lists, as
+        `.tolist()` of each gives them."""
         if self.copied is not None:
             self.copied.synchronize()
         host = self.packed.numpy()

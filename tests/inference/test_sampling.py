@@ -31,19 +31,23 @@ def test_greedy_takes_argmax_with_raw_logprobs() -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_to_lists_equals_tolist_of_each(device: str) -> None:
+def test_host_copy_equals_tolist_of_each(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     token_ids = torch.tensor([0, 7, 129279, 2**40], device=device)
     logprobs = torch.tensor(
         [-0.1, float("-inf"), -1e-30, float("nan")], dtype=torch.float32, device=device
     )
-    ids, values = SampleOutput(token_ids, logprobs).to_lists()
-    assert ids == token_ids.tolist() and all(type(i) is int for i in ids)
-    want = logprobs.tolist()
+    want_ids, want = token_ids.tolist(), logprobs.tolist()
+    on_host = SampleOutput(token_ids, logprobs).start_host_copy()
+    # Work queued after the copy (the next step) does not change what it reads back.
+    token_ids.fill_(-1)
+    logprobs.fill_(0.0)
+    ids, values = on_host.to_lists()
+    assert ids == want_ids and all(type(i) is int for i in ids)
     assert values[:3] == want[:3] and math.isnan(values[3]) and math.isnan(want[3])
     assert all(type(v) is float for v in values)
-    assert SampleOutput(token_ids[:0], logprobs[:0]).to_lists() == ([], [])
+    assert SampleOutput(token_ids[:0], logprobs[:0]).start_host_copy().to_lists() == ([], [])
 
 
 def test_temperature_one_follows_softmax() -> None:
