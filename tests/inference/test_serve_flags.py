@@ -1,0 +1,25 @@
+"""`python -m inference_svc serve` flags reach the runtime config: the step overlap is on
+by default and off with `--no-overlap-steps` or `LORASERVE_OVERLAP_STEPS=0`."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference_svc.__main__ import app_config, build_parser
+
+
+def _runtime(argv: list[str]):  # type: ignore[no-untyped-def]
+    return app_config(build_parser().parse_args(["serve", *argv])).runtime
+
+
+def test_overlap_is_on_by_default_and_the_flag_turns_it_off() -> None:
+    assert _runtime([]).overlap_steps is True
+    assert _runtime(["--no-overlap-steps"]).overlap_steps is False
+    assert _runtime(["--overlap-steps"]).overlap_steps is True
+
+
+@pytest.mark.parametrize("raw,expected", [("0", False), ("false", False), ("1", True)])
+def test_the_environment_sets_the_default(monkeypatch, raw, expected) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("LORASERVE_OVERLAP_STEPS", raw)
+    assert _runtime([]).overlap_steps is expected
+    assert _runtime(["--overlap-steps"]).overlap_steps is True  # the command line wins
