@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from inference_svc.engine.kv_pages import pages_for
-from inference_svc.engine.uploads import to_device
+from inference_svc.engine.uploads import staging_buffer, to_device
 from inference_svc.lora.batch import LoraBatch, build_lora_batch
+from kernels.host_math import cdiv
 
 # Prefill expands K/V from the cached latent rows of several sequences in one matmul (and
 # one LoRA call) while their contexts together stay under this many rows: peak memory is
@@ -227,11 +228,12 @@ def _to_device(arrays: list[np.ndarray], device: torch.device | str) -> list[tor
     offsets, size = [], 0
     for array in arrays:
         offsets.append(size)
-        size += -(-array.nbytes // _FIELD_ALIGN) * _FIELD_ALIGN
-    host = np.zeros(size, dtype=np.uint8)
+        size += cdiv(array.nbytes, _FIELD_ALIGN) * _FIELD_ALIGN
+    staging = staging_buffer(size, torch.uint8, device)
+    host = staging.numpy()
     for array, offset in zip(arrays, offsets, strict=True):
         host[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
-    buffer = to_device(torch.from_numpy(host), device)
+    buffer = to_device(staging, device)
     return [
         buffer[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
         for array, offset in zip(arrays, offsets, strict=True)

@@ -74,17 +74,23 @@ def test_align_invariants(aligner, pattern, tokens, experts, top_k, block_m):
             assert offsets[expert] <= start < offsets[expert + 1]
 
 
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(3, 8, 2, 16), (64, 64, 6, 16)])
-def test_triton_align_equals_ref_exactly(pattern, tokens, experts, top_k, block_m):
-    """Every output tensor equal, sentinels and -1 tiles included (int32 ids as input too)."""
-    ids, _ = routing(tokens, experts, top_k, pattern, seed=tokens)
+def assert_align_equals_ref(ids, experts, block_m):
+    """Every output of the Triton alignment equal to the torch ops' (dtype included), with
+    int64 and int32 ids as input."""
     for dtype in (torch.int64, torch.int32):
         ours = fm.moe_align(ids.to(dtype).to(DEVICE), experts, block_m)
         ref = fm.moe_align_ref(ids, experts, block_m)
         for name in ALIGN_FIELDS:
             got, want = getattr(ours, name).cpu(), getattr(ref, name)
             assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(3, 8, 2, 16), (64, 64, 6, 16)])
+def test_triton_align_equals_ref_exactly(pattern, tokens, experts, top_k, block_m):
+    """Every output tensor equal, sentinels and -1 tiles included (int32 ids as input too)."""
+    ids, _ = routing(tokens, experts, top_k, pattern, seed=tokens)
+    assert_align_equals_ref(ids, experts, block_m)
 
 
 @pytest.mark.gpu
@@ -115,12 +121,7 @@ def test_chunked_align_equals_ref_exactly(monkeypatch, pattern, tokens, experts,
     monkeypatch.setattr(fm, "ALIGN_CHUNK_PAIRS", 64)
     monkeypatch.setattr(fm, "ALIGN_MAX_CHUNK_PAIRS", 64)
     ids, _ = routing(tokens, experts, top_k, pattern, seed=tokens)
-    for dtype in (torch.int64, torch.int32):
-        ours = fm.moe_align(ids.to(dtype).to(DEVICE), experts, block_m)
-        ref = fm.moe_align_ref(ids, experts, block_m)
-        for name in ALIGN_FIELDS:
-            got, want = getattr(ours, name).cpu(), getattr(ref, name)
-            assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert_align_equals_ref(ids, experts, block_m)
 
 
 def test_chunks_grow_to_fit_the_offsets_program_then_torch_ops(monkeypatch):
