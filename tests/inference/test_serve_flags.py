@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from inference_svc.__main__ import app_config, build_parser
+# The service entry point imports the health service, absent on the GPU machine.
+pytest.importorskip("grpc_health")
+from inference_svc.__main__ import app_config, build_parser  # noqa: E402
 
 
 def _runtime(argv: list[str]):  # type: ignore[no-untyped-def]
