@@ -16,11 +16,13 @@ from __future__ import annotations
 import torch
 
 from inference_svc.layers.moe import RoutedExperts
-from inference_svc.layers.quant import Fp8BlockMethod
+from inference_svc.layers.quant import Fp8BlockA8Method, Fp8BlockMethod
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
 from kernels.fp8 import block_quant_ref
 
-EXPERT_WEIGHTS = ("bf16", "fp8")
+# fp8_a8: the same weights, with the expert GEMMs quantizing their activations to e4m3 per
+# 128-group (`fp8_block_a8`, DeepSeek-V3's own scheme: e4m3 × e4m3 MMAs).
+EXPERT_WEIGHTS = ("bf16", "fp8", "fp8_a8")
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
 SMOKE_FP8_BLOCK = (32, 32)  # divides the smoke shapes' expert sizes (64 × 128)
 
@@ -31,8 +33,12 @@ def fp8_block(smoke: bool) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def quantize_routed_experts(model: DeepseekV3Model, block: tuple[int, int]) -> int:
-    """Swap every MoE layer's experts for FP8 block-quantized copies; returns the layers."""
+def quantize_routed_experts(
+    model: DeepseekV3Model, block: tuple[int, int], experts: str = "fp8"
+) -> int:
+    """Swap every MoE layer's experts for FP8 block-quantized copies (`experts`: "fp8" or
+    "fp8_a8", see EXPERT_WEIGHTS); returns the layers."""
+    method = {"fp8": Fp8BlockMethod, "fp8_a8": Fp8BlockA8Method}[experts](*block)
     swapped = 0
     for layer in model.layers:
         if layer.moe is None:
@@ -40,9 +46,7 @@ def quantize_routed_experts(model: DeepseekV3Model, block: tuple[int, int]) -> i
         old = layer.moe.experts
         w13 = old.w13.weight  # [E, 2I, hidden]
         hidden = w13.shape[-1]
-        new = RoutedExperts(
-            old.num_experts, hidden, old.inter, Fp8BlockMethod(*block), w13.dtype, w13.device
-        )
+        new = RoutedExperts(old.num_experts, hidden, old.inter, method, w13.dtype, w13.device)
         for which in ("w13", "w2"):
             source, target = getattr(old, which), getattr(new, which)
             for expert in range(old.num_experts):

@@ -5,8 +5,9 @@ A serving prefill step of 8192 tokens spent 99 of its 161 GPU ms in `_grouped_ge
 cores' rate, with the decode-sized tiles (64 × 64 × 64, 4 warps). This times candidate
 plans (row tile × `GemmTiles`) on the two expert GEMMs of V2-Lite (gate_up: N 2816, K 2048;
 down: N 2048, K 1408; 64 experts, top-6 routing) at 8192 and 512 tokens, bf16 and FP8
-block-scaled, checks every plan's output against the current plan's, and reports
-TFLOP/s and the speed-up over the current plan. No model, no engine.
+block-scaled (bf16 activations, and e4m3 activations per 128-group: fp8_a8), checks every
+plan's output against the current plan's, and reports TFLOP/s and the speed-up over the
+current plan. No model, no engine.
 
 `--decode` times decode batches instead (64, 128 and 256 tokens, the row tile the model
 picks for bf16 experts and half of it, which FP8 experts take at these sizes; column/K tile
@@ -39,6 +40,9 @@ from kernels import fused_moe as fm
 from kernels.fp8 import block_quant_ref
 
 FP8_BLOCK = (128, 128)
+# The benches' expert weights → grouped_gemm's scheme (None: by the scale). fp8_a8 quantizes
+# the activations too (e4m3 × e4m3 MMAs, DeepSeek-V3's own scheme).
+GEMM_SCHEMES = {"bf16": None, "fp8": "block", "fp8_a8": "block_a8"}
 
 
 @dataclass(frozen=True)
@@ -150,8 +154,9 @@ def time_plans(
     for block_m, tiles in plans:
         align = fm.moe_align(ids, experts, block_m)
         call = functools.partial(
-            fm.grouped_gemm, a, weight, align, rows_per_a, scale, block, None, tiles
-        )
+            fm.grouped_gemm, a, weight, align, rows_per_a, scale, block,
+            GEMM_SCHEMES[case["scheme"]], tiles,
+        )  # fmt: skip
         out = call().float()  # [P, N]
         baseline = out if baseline is None else baseline
         error = (out - baseline).abs().max().item() / baseline.abs().max().item()
@@ -170,7 +175,7 @@ def time_plans(
         }
         rows.append(row)
         print(
-            f"{case['scheme']:5s} {case['gemm']:8s} T{tokens:5d} {row['plan']:24s} "
+            f"{case['scheme']:6s} {case['gemm']:8s} T{tokens:5d} {row['plan']:24s} "
             f"{ms:8.3f} ms {row['tflops']:6.0f} TFLOP/s {row['weight_gb_per_s']:6.0f} GB/s "
             f"×{row['speedup_vs_current']:.2f} "
             f"diff {error:.1e}"
@@ -182,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     out, device, decode = kernel_bench_args(__doc__, argv, flags={"--decode": "decode batches"})
     smoke = device.type == "cpu"
     started = time.perf_counter()
-    schemes = ["bf16"] if smoke else ["bf16", "fp8"]
+    schemes = ["bf16"] if smoke else list(GEMM_SCHEMES)
     shapes = SMOKE_SHAPES if smoke else ExpertShapes()
     if decode:
         tokens = [4] if smoke else [64, 128, 256]

@@ -172,8 +172,8 @@ def main() -> None:
     context = min(args.context, 64) if args.smoke else args.context
     page_size = 16
     model = random_model(config, device, dtype)
-    if args.experts == "fp8":
-        quantize_routed_experts(model, fp8_block(args.smoke))
+    if args.experts != "bf16":
+        quantize_routed_experts(model, fp8_block(args.smoke), args.experts)
     max_batch = max(batch_sizes)
     runner = ModelRunner(
         model,

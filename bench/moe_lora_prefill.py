@@ -2,8 +2,9 @@
 
 The MoE stage of one layer (gate_up GEMM → SiLU·mul → down GEMM) is timed three ways on
 V2-Lite expert shapes (64 experts, top-6, hidden 2048, inter 1408), bf16 and FP8
-block-scaled experts, with N distinct rank-16 adapters over the tokens (contiguous runs of
-one slot, as the scheduler orders a step):
+block-scaled experts (with bf16 activations, and with e4m3 activations: fp8_a8), with N
+distinct rank-16 adapters over the tokens (contiguous runs of one slot, as the scheduler
+orders a step):
 
 - base:     no LoRA;
 - after:    LoRA shrink + expand kernels ("runs") after each GEMM, which read and rewrite
@@ -27,7 +28,7 @@ from dataclasses import asdict
 import torch
 
 from bench.gpu_timing import bar_plot, kernel_bench_args, run_meta, time_ms, write_json
-from bench.grouped_gemm_tiles import SMOKE_SHAPES, ExpertShapes, make_weights
+from bench.grouped_gemm_tiles import GEMM_SCHEMES, SMOKE_SHAPES, ExpertShapes, make_weights
 from kernels import fused_moe as fm
 from kernels.lora_segments import build_lora_segments
 from kernels.moe_lora import moe_lora_down, moe_lora_epilogue, moe_lora_gate_up
@@ -38,7 +39,7 @@ WAYS = ("base", "after", "in_gemm")
 
 def moe_stage(x, experts, lora, way: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """gate_up → SiLU·mul → down over the routed pairs, with the LoRA added `way`."""
-    (w13, s13, w2, s2, block), (align, top_k, pt, pe, segs), (a_gu, b_gu, a_d, b_d) = (
+    (w13, s13, w2, s2, block, scheme), (align, top_k, pt, pe, segs), (a_gu, b_gu, a_d, b_d) = (
         experts,
         lora["routing"],
         lora["weights"],
@@ -49,13 +50,13 @@ def moe_stage(x, experts, lora, way: str) -> torch.Tensor:  # type: ignore[no-un
         epilogue = moe_lora_epilogue(
             x, a_gu, b_gu, pt, pe, segs, x_per_pair=False, pair_order=order
         )
-    inter = fm.grouped_gemm(x, w13, align, top_k, s13, block, lora=epilogue)
+    inter = fm.grouped_gemm(x, w13, align, top_k, s13, block, scheme, lora=epilogue)
     if way == "after":
         moe_lora_gate_up(x, inter, a_gu, b_gu, pt, pe, segs, variant="runs", pair_order=order)
     act = fm.silu_mul(inter)
     if way == "in_gemm":
         epilogue = moe_lora_epilogue(act, a_d, b_d, pt, pe, segs, x_per_pair=True, pair_order=order)
-    out = fm.grouped_gemm(act, w2, align, 1, s2, block, lora=epilogue)
+    out = fm.grouped_gemm(act, w2, align, 1, s2, block, scheme, lora=epilogue)
     if way == "after":
         moe_lora_down(act, out, a_d, b_d, pt, pe, segs, variant="runs", pair_order=order)
     return out
@@ -89,7 +90,7 @@ def run(shapes: ExpertShapes, tokens_list, adapters_list, schemes, device, rep):
             shapes.experts, 2 * shapes.inter, shapes.hidden, scheme, device
         )
         w2, s2, _ = make_weights(shapes.experts, shapes.hidden, shapes.inter, scheme, device)
-        experts = (w13, s13, w2, s2, block)
+        experts = (w13, s13, w2, s2, block, GEMM_SCHEMES[scheme])
         for tokens in tokens_list:
             x = (torch.randn(tokens, shapes.hidden, device=device) * 0.5).to(dtype)
             for adapters in adapters_list:
@@ -108,7 +109,7 @@ def run(shapes: ExpertShapes, tokens_list, adapters_list, schemes, device, rep):
                 }  # fmt: skip
                 rows.append(row)
                 print(
-                    f"{scheme:5s} T{tokens:5d} N={adapters:<3d} base {ms['base']:7.3f} ms  "
+                    f"{scheme:6s} T{tokens:5d} N={adapters:<3d} base {ms['base']:7.3f} ms  "
                     f"after {ms['after']:7.3f} (+{row['after_overhead']:.0%})  in_gemm "
                     f"{ms['in_gemm']:7.3f} (+{row['in_gemm_overhead']:.0%})  "
                     f"×{row['in_gemm_speedup_vs_after']:.2f}  diff {diff:.1e}"
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     shapes = SMOKE_SHAPES if smoke else ExpertShapes()
     tokens = [40] if smoke else [8192, 2048]
     adapters = [1, 3] if smoke else [1, 8, 32]
-    schemes = ["bf16"] if smoke else ["bf16", "fp8"]
+    schemes = ["bf16"] if smoke else list(GEMM_SCHEMES)
     rows = run(shapes, tokens, adapters, schemes, device, rep=50)
     meta = run_meta("moe_lora_prefill", device, started, shapes=asdict(shapes), rank=RANK)
     write_json(out, meta, rows)

@@ -200,14 +200,18 @@ def build_model(config: ServeBenchConfig) -> DeepseekV3Model:
     """The random-weight model, built once per process and shared by every engine."""
     dtype = torch.float32 if config.smoke else torch.bfloat16
     model = random_model(parse_config(config.hf_config), torch.device(config.device), dtype)
-    if config.experts == "fp8":
-        quantize_routed_experts(model, fp8_block(config.smoke))
+    if config.experts != "bf16":
+        quantize_routed_experts(model, fp8_block(config.smoke), config.experts)
     return model
 
 
 def model_label(config: ServeBenchConfig) -> str:
     """What the JSONs call the model: shape, and the routed experts' weights."""
-    experts = "FP8 block-quantized routed experts" if config.experts == "fp8" else "bf16"
+    experts = {
+        "bf16": "bf16",
+        "fp8": "FP8 block-quantized routed experts",
+        "fp8_a8": "FP8 block-quantized routed experts, e4m3 activations per 128-group",
+    }[config.experts]
     return f"random DeepSeek-V2-Lite shape, q_lora_rank 1536, {experts}"
 
 

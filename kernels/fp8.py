@@ -15,6 +15,9 @@ import triton.language as tl
 from kernels.host_math import cdiv
 
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# A group of zeros gets this amax (scale 2.2e-15) so it quantizes to zeros, not 0 / 0.
+ACT_SCALE_MIN_AMAX = 1e-12
 
 
 def _expand_scale(scale: torch.Tensor, n: int, k: int, block: tuple[int, int]) -> torch.Tensor:
@@ -53,6 +56,100 @@ def block_quant_ref(
     scale = amax / torch.finfo(FP8_DTYPE).max
     q = (blocks / scale[:, None, :, None]).to(FP8_DTYPE).view(padded.shape)[:n, :k]
     return q.contiguous(), scale
+
+
+def group_quant_fp8_ref(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's dynamic activation quantization ("activation_scheme": "dynamic"): each
+    row's runs of `group` values along K to e4m3 with scale amax / 448 (float32 math, a
+    correctly rounded division, as the kernels do).
+
+    Args:
+        a: [M, K] float.
+    Returns: (q [M, K] float8_e4m3fn, scale [M, ceil(K/group)] float32); a ≈ q · scale.
+    """
+    m, k = a.shape
+    num_groups = cdiv(k, group)
+    groups = torch.nn.functional.pad(a.float(), (0, num_groups * group - k))
+    groups = groups.view(m, num_groups, group)
+    scale = groups.abs().amax(dim=-1).clamp(min=ACT_SCALE_MIN_AMAX) / FP8_MAX
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, num_groups * group)[:, :k].contiguous(), scale
+
+
+# e4m3 keeps 3 of float32's 23 mantissa bits; below its smallest normal (2⁻⁶) the step is
+# fixed at 2⁻⁹.
+_E4M3_DROPPED_BITS = tl.constexpr(20)
+_E4M3_HALF_STEP_LESS_ONE = tl.constexpr((1 << 19) - 1)
+_E4M3_KEPT_BITS_MASK = tl.constexpr(-(1 << 20))  # 0xFFF00000 as int32
+_SIGN_BIT = tl.constexpr(-(1 << 31))  # 0x80000000 as int32
+_E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
+_E4M3_SUBNORMAL_STEPS = tl.constexpr(2.0**9)
+# x + c - c rounds |x| < 2²² to an integer, ties to even.
+_ROUND_TO_INTEGER = tl.constexpr(1.5 * 2.0**23)
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """float32 y (|y| ≤ 448) rounded to the nearest e4m3 value, ties to even, still float32.
+
+    The cast to e4m3 rounds the same on the GPU; rounding first makes the cast exact, which
+    the CPU interpreter needs (its cast does not carry a rounded-up mantissa into the
+    exponent)."""
+    bits = y.to(tl.int32, bitcast=True)
+    lsb = (bits >> _E4M3_DROPPED_BITS) & 1
+    kept = (bits + _E4M3_HALF_STEP_LESS_ONE + lsb) & _E4M3_KEPT_BITS_MASK
+    normal = kept.to(tl.float32, bitcast=True)
+    steps = tl.abs(y) * _E4M3_SUBNORMAL_STEPS
+    subnormal = ((steps + _ROUND_TO_INTEGER) - _ROUND_TO_INTEGER) / _E4M3_SUBNORMAL_STEPS
+    # y's sign bit back on (`-x` is 0 - x in Triton, which would turn -0 into +0).
+    subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & _SIGN_BIT)).to(
+        tl.float32, bitcast=True
+    )
+    return tl.where(tl.abs(y) < _E4M3_MIN_NORMAL, subnormal, normal)
+
+
+# Per-step row counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
+@triton.jit(do_not_specialize=["M"])
+def _group_quant_fp8_kernel(
+    a_ptr, q_ptr, s_ptr, M, K, stride_am, stride_qm, stride_sm,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr,
+):  # fmt: skip
+    # One program per (BLOCK_M rows, one K-group).
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(a_ptr + rows64[:, None] * stride_am + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    # Correctly rounded divisions, as the torch reference (Triton's `/` is div.full.f32).
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), QMAX)  # [BLOCK_M]
+    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -QMAX, QMAX)
+    q = _round_to_e4m3(y).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + rows64 * stride_sm + tl.program_id(1), scale, mask=rows < M)
+
+
+def group_quant_fp8(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `group_quant_fp8_ref` (same arguments and result, bit for bit)."""
+    if a.dim() != 2 or a.stride(-1) != 1:
+        raise ValueError(f"activations {tuple(a.shape)} must be [M, K] with unit stride in K")
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"activation group {group} must be a power of two ≥ 16")
+    m, k = a.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=a.device)
+    scale = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=a.device)
+    if m:
+        block_m = 16 if group <= 128 else 4
+        _group_quant_fp8_kernel[(cdiv(m, block_m), cdiv(k, group))](
+            a, q, scale, m, k, a.stride(0), q.stride(0), scale.stride(0),
+            GROUP=group, BLOCK_M=block_m, MIN_AMAX=ACT_SCALE_MIN_AMAX, QMAX=FP8_MAX,
+        )  # fmt: skip
+    return q, scale
+
+
+def group_dequant_fp8_ref(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 [M, K] = q · scale of `group_quant_fp8_ref`."""
+    return q.float() * scale.repeat_interleave(group, dim=-1)[:, : q.shape[-1]]
 
 
 @triton.jit

@@ -21,7 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import block_dequant_ref
+from kernels.fp8 import (
+    block_dequant_ref,
+    group_dequant_fp8_ref,
+    group_quant_fp8,
+    group_quant_fp8_ref,
+)
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.int_quant import (
     int4_group_dequant_ref,
@@ -39,7 +44,13 @@ from kernels.sgmv import dot_precision, rank_block
 #               quantized per row to int8 and the product accumulates in int32.
 #   int4_group: w uint8 [E, N, ceil(K/2)] two nibbles per byte, scale [E, N, K/G]
 #               (block (1, G)); weight-only, nibbles dequantized in registers.
-WEIGHT_SCHEMES = {"float": 0, "block": 1, "w8a8": 2, "int4_group": 3}
+#   block_a8:   "block" weights with activations quantized too, DeepSeek-V3's own scheme:
+#               each row's K-group of bk values to e4m3 (`group_quant_fp8_ref`), e4m3 ×
+#               e4m3 MMAs (twice bf16's tensor rate, no weight dequantization), each
+#               product scaled by the row's group scale times the weight's block scale.
+WEIGHT_SCHEMES = {"float": 0, "block": 1, "w8a8": 2, "int4_group": 3, "block_a8": 4}
+# Schemes with e4m3 block-scaled weights (the FP8 tiles and row-tile rules apply).
+FP8_BLOCK_SCHEMES = ("block", "block_a8")
 
 
 @dataclass(frozen=True)
@@ -357,7 +368,7 @@ def moe_block_m(num_pairs: int, num_experts: int, scheme: str = "float") -> int:
     if want >= 128:
         return 128
     block_m = int(min(64, max(16, next_power_of_2(want))))
-    if scheme == "block" and num_pairs <= FP8_HALF_ROWS_MAX_PAIRS:
+    if scheme in FP8_BLOCK_SCHEMES and num_pairs <= FP8_HALF_ROWS_MAX_PAIRS:
         return max(16, block_m // 2)
     return block_m
 
@@ -368,7 +379,7 @@ def _dequant_expert(
     """Expert e's weight as float32 [N, K] under `scheme`."""
     if scheme == "float":
         return w[e].float()
-    if scheme == "block":
+    if scheme in FP8_BLOCK_SCHEMES:
         return block_dequant_ref(w[e], scale[e], block)
     if scheme == "w8a8":
         return int8_channel_dequant_ref(w[e], scale[e])
@@ -376,7 +387,7 @@ def _dequant_expert(
 
 
 def weight_scheme(scheme: str | None, w_scale: torch.Tensor | None) -> str:
-    """The WEIGHT_SCHEMES name of a weight: `scheme`, or by its scale (none: float)."""
+    """The WEIGHT_SCHEMES name of a weight: `scheme`, or by its scale (none: float, else block)."""
     scheme = scheme or ("float" if w_scale is None else "block")
     if scheme not in WEIGHT_SCHEMES:
         raise ValueError(f"unknown weight scheme {scheme!r} (known: {sorted(WEIGHT_SCHEMES)})")
@@ -398,8 +409,9 @@ def grouped_gemm_ref(
     """Semantics: out[p] = a[p // rows_per_a] @ W[expert(p)]ᵀ (+ lora's term) for every
     real pair p, rounded once to a's dtype.
 
-    Under "w8a8" `a` is first rounded per row to int8 (`per_token_quant_int8_ref`), as
-    the kernel does; W is dequantized per `scheme` (see WEIGHT_SCHEMES).
+    Under "w8a8" `a` is first rounded per row to int8 (`per_token_quant_int8_ref`), under
+    "block_a8" per row and K-group of bk to e4m3 (`group_quant_fp8_ref`), as the kernel
+    does; W is dequantized per `scheme` (see WEIGHT_SCHEMES).
     Args:
         a: [P / rows_per_a, K] activations (tokens for gate_up: rows_per_a = k; pairs for
             down: rows_per_a = 1).
@@ -413,6 +425,8 @@ def grouped_gemm_ref(
     if scheme == "w8a8":
         a_q, a_scale = per_token_quant_int8_ref(a)
         a_float = a_q.float() * a_scale[:, None]
+    elif scheme == "block_a8":
+        a_float = group_dequant_fp8_ref(*group_quant_fp8_ref(a, block[1]), block[1])
     out = torch.zeros((align.num_pairs, w.shape[1]), dtype=a.dtype, device=a.device)
     if lora is not None:
         lora.check(align.num_pairs, w.shape[1])
@@ -434,14 +448,14 @@ def grouped_gemm_ref(
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
     N, K, num_pairs, rows_per_a,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    stride_am, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     ly_ptr, lb_ptr, l_pair_token_ptr, l_token_slot_ptr, l_slot_rank_ptr, LORA_R, LORA_B_EXPERTS,
     stride_ly, stride_lbs, stride_lbe, stride_lbn,
     BN: tl.constexpr, BK: tl.constexpr, SCHEME: tl.constexpr, SCALE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LORA_SLICES: tl.constexpr, LORA_BLOCK_R: tl.constexpr, LORA_DOT: tl.constexpr,
 ):  # fmt: skip
-    # SCHEME: 0 float, 1 block-scaled, 2 w8a8, 3 int4_group (WEIGHT_SCHEMES).
+    # SCHEME: 0 float, 1 block-scaled, 2 w8a8, 3 int4_group, 4 block_a8 (WEIGHT_SCHEMES).
     # LORA_SLICES > 0: add the MoeLoraEpilogue (l*/L* arguments) to the tile before rounding.
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -480,6 +494,12 @@ def _grouped_gemm_kernel(
             acc += tl.dot(a, b, out_dtype=tl.int32)
         elif SCHEME == 0:
             acc += tl.dot(a, b)
+        elif SCHEME == 4:
+            # a is e4m3 with one scale per row and K-group of BK (BLOCK_K divides BK): the
+            # e4m3 × e4m3 product is exact in float32, then scaled by both blocks' scales.
+            s = tl.load(s_base + (offs_n // BN) * stride_sn + k0 // BK, mask=offs_n < N, other=0.0)
+            a_s = tl.load(a_scale_ptr + a_row.to(tl.int64) * stride_as + k0 // BK, mask=real)
+            acc += tl.dot(a, b) * (a_s[:, None] * s[None, :])
         else:
             # BLOCK_K divides BK: the tile lies in one scale block (or group) along K.
             s = tl.load(s_base + (offs_n // BN) * stride_sn + k0 // BK, mask=offs_n < N, other=0.0)
@@ -566,6 +586,7 @@ SCALE_TILES_MIN_ROWS = 128
 
 
 def default_tiles(block_m: int, scheme: str) -> GemmTiles:
+    scheme = "block" if scheme == "block_a8" else scheme  # same weight bytes and K tiles
     if block_m >= 128:
         return PREFILL_TILES.get(scheme, DEFAULT_TILES)
     return DECODE_TILES.get(scheme, {}).get(block_m, DEFAULT_TILES)
@@ -584,7 +605,8 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """Triton version of `grouped_gemm_ref` (same arguments and result).
 
-    "w8a8" quantizes `a` per row with `per_token_quant_int8` first (one extra launch).
+    "w8a8" quantizes `a` per row with `per_token_quant_int8` first (one extra launch),
+    "block_a8" per row and K-group of bk with `group_quant_fp8` (one extra launch).
     "block" (FP8) row tiles of SCALE_TILES_MIN_ROWS and more round each dequantized weight
     tile to a's dtype before its MMA (the reference keeps the scaled weight in float32).
     tiles: None picks `default_tiles(align.block_m, scheme)`; a scale block along K must be
@@ -603,23 +625,25 @@ def grouped_gemm(
         cdiv(k, bk),
     ):
         raise ValueError(f"w_scale {tuple(w_scale.shape)} does not match w / block {block}")
-    if scheme in ("block", "int4_group"):
+    if scheme in (*FP8_BLOCK_SCHEMES, "int4_group"):
         block_k = min(tiles.block_k, bk)
         if bk % block_k:
             raise ValueError(f"scale block {bk} along K must be a multiple of {block_k}")
     else:
         block_k = tiles.block_k
     out = torch.empty((align.num_pairs, n), dtype=a.dtype, device=a.device)
-    a_scale = w  # unused pointer unless w8a8
+    a_scale = w  # unused pointer unless w8a8 / block_a8
     if scheme == "w8a8":
         a, a_scale = per_token_quant_int8(a)
+    elif scheme == "block_a8":
+        a, a_scale = group_quant_fp8(a, bk)
     scale = w_scale if w_scale is not None else w  # unused pointer for "float"
     block_n = tiles.block_n
     grid = (align.block_expert_ids.numel(), cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, a_scale, w, scale, out, align.sorted_pair_ids, align.block_expert_ids,
         n, k, align.num_pairs, rows_per_a,
-        a.stride(0), w.stride(0), w.stride(1),
+        a.stride(0), a_scale.stride(0) if scheme == "block_a8" else 0, w.stride(0), w.stride(1),
         scale.stride(0) if w_scale is not None else 0,
         scale.stride(1) if w_scale is not None else 0,
         out.stride(0),

@@ -6,6 +6,9 @@ dtype (bf16 on GPU, float32 on CPU); `fp8_block` keeps DeepSeek-V3's e4m3 weight
 float32 `weight_scale_inv` per 128×128 block. `int8_channel` (w8a8) and `int4_group`
 (4-bit weight-only, groups of 128 along K) are for the routed experts only: their layouts are
 described in `kernels.int_quant`, and a dense `Linear` refuses them at construction.
+`fp8_block_a8` (routed experts only) stores what `fp8_block` stores and also quantizes the
+activations per row and 128-group to e4m3 (DeepSeek-V3's "dynamic" activation scheme), so
+the expert GEMMs multiply e4m3 by e4m3.
 """
 
 from __future__ import annotations
@@ -134,6 +137,20 @@ class Fp8BlockMethod(QuantMethod):
             _copy_rows(_rows(module.weight_scale_inv, expert), tensor, row // self.block_n, "scale")
 
 
+class Fp8BlockA8Method(Fp8BlockMethod):
+    """`fp8_block` weights whose GEMM also quantizes the activations, per row and K-group of
+    block_k, to e4m3 (kernels.fused_moe "block_a8"): the numerics of DeepSeek-V3's own
+    inference (`act_quant` + `fp8_gemm`), not those of a bf16 GEMM on dequantized weights."""
+
+    name = "fp8_block_a8"
+    dense_linear = False
+
+    def quant_info(self, module: nn.Module) -> QuantInfo:
+        return QuantInfo(
+            module.weight, module.weight_scale_inv, (self.block_n, self.block_k), "block_a8"
+        )
+
+
 def _load_int(module: nn.Module, kind: str, tensor: torch.Tensor, row: int, expert, dtype):
     """Rows of an integer `weight` (checked dtype) or of its per-row `weight_scale`."""
     if kind == "weight":
@@ -208,14 +225,15 @@ def make_quant_method(name: str, block: tuple[int, int] | None = None) -> QuantM
     """
     if name == UnquantizedMethod.name:
         return UnquantizedMethod()
-    if name == Fp8BlockMethod.name:
+    if name in (Fp8BlockMethod.name, Fp8BlockA8Method.name):
         if block is None:
-            raise ValueError("fp8_block needs a weight block size")
-        return Fp8BlockMethod(*block)
+            raise ValueError(f"{name} needs a weight block size")
+        return (Fp8BlockMethod if name == Fp8BlockMethod.name else Fp8BlockA8Method)(*block)
     if name == Int8ChannelMethod.name:
         return Int8ChannelMethod()
     if name == Int4GroupMethod.name:
         return Int4GroupMethod(block[1] if block is not None else INT4_GROUP)
     raise ValueError(
-        f"unknown quant method {name!r} (known: bf16, fp8_block, int8_channel, int4_group)"
+        f"unknown quant method {name!r} "
+        "(known: bf16, fp8_block, fp8_block_a8, int8_channel, int4_group)"
     )

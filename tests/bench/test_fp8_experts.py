@@ -54,6 +54,23 @@ def test_fp8_moe_computes_with_the_dequantized_weights() -> None:
     torch.testing.assert_close(moe(x), reference(x), rtol=1e-5, atol=1e-6)
 
 
+def test_fp8_a8_experts_round_the_activations_of_the_same_weights() -> None:
+    """fp8_a8 holds fp8's weights; its expert GEMMs round their inputs to e4m3 per group
+    ("block_a8"), so its MoE output is near fp8's and not equal to it."""
+    fp8, a8 = _tiny_model(), _tiny_model()
+    quantize_routed_experts(fp8, SMOKE_FP8_BLOCK, "fp8")
+    quantize_routed_experts(a8, SMOKE_FP8_BLOCK, "fp8_a8")
+    w13, w2 = a8.layers[1].moe.experts.quant_info()
+    assert w13.scheme == w2.scheme == "block_a8"
+    assert torch.equal(
+        w13.weight.view(torch.uint8), fp8.layers[1].moe.experts.w13.weight.view(torch.uint8)
+    )
+    x = torch.randn(7, a8.config.hidden_size)
+    exact, rounded = fp8.layers[1].moe(x), a8.layers[1].moe(x)
+    assert (rounded - exact).abs().max() <= 0.06 * exact.abs().max()
+    assert not torch.equal(rounded, exact)
+
+
 def test_serve_offline_smoke_with_fp8_experts_and_adapters_off_the_experts(tmp_path: Path) -> None:
     out = tmp_path / "serve_offline_fp8.json"
     scenarios = ["--scenarios", "no LoRA", "N=8 zipf"]
