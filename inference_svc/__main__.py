@@ -16,6 +16,7 @@ from adapter_store.rpc.settings import add_flag
 from adapter_store.rpc.tls import add_tls_server_flags, server_credentials
 from inference_svc.adapters.s3_fetch import S3FetchConfig
 from inference_svc.app import AppConfig, InferenceApp
+from inference_svc.model.loader import EXPERT_ACTIVATIONS
 from inference_svc.model.tiny import TINY_MODEL_NAME, model_folder
 from inference_svc.runtime import RuntimeConfig
 from inference_svc.servicer import SERVICE_NAME
@@ -79,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(
         serve,
+        "--expert-activations",
+        default="bf16",
+        choices=list(EXPERT_ACTIVATIONS),
+        help="routed experts' GEMM inputs on an FP8 checkpoint: bf16 (exact) or e4m3 per "
+        "128-group (DeepSeek-V3's FP8 scheme, faster prefill)",
+    )
+    add_flag(
+        serve,
         "--tenant-max-concurrent",
         type=int,
         default=0,
@@ -118,6 +127,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
             max_batch_tokens=args.max_batch_tokens,
             max_queue=args.max_queue,
             overlap_steps=args.overlap_steps,
+            expert_activations=args.expert_activations,
         ),
         store_address=args.store,
         store_tls_ca=args.store_tls_ca or None,

@@ -25,7 +25,7 @@ from inference_svc.engine.scheduler import Scheduler, SchedulerConfig
 from inference_svc.engine.warm_up import warm_up_prefill
 from inference_svc.lora.pool import GIB, LoraPool, LoraPoolConfig
 from inference_svc.metrics import InferenceMetrics
-from inference_svc.model.loader import load_model
+from inference_svc.model.loader import EXPERT_ACTIVATIONS, load_model
 from inference_svc.model.tiny import model_folder
 from inference_svc.model.tokenizer import Tokenizer
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
@@ -59,6 +59,9 @@ class RuntimeConfig:
     # Launch step n+1 before reading step n's tokens back (engine.py); False reads each
     # step back at once (A/B, debugging).
     overlap_steps: bool = True
+    # The routed experts' activations in their GEMMs (loader.EXPERT_ACTIVATIONS): "e4m3" is
+    # DeepSeek-V3's FP8 scheme (FP8 checkpoints on CUDA only), "bf16" the exact GEMM.
+    expert_activations: str = "bf16"
     warm_up: bool = True  # compile every prefill shape class's kernels at start (CUDA)
 
     def __post_init__(self) -> None:
@@ -71,6 +74,11 @@ class RuntimeConfig:
         for name in ("max_loras", "max_lora_rank", "page_size", "max_num_seqs", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_activations not in EXPERT_ACTIVATIONS:
+            raise ValueError(
+                f"expert_activations must be one of {EXPERT_ACTIVATIONS}, "
+                f"got {self.expert_activations!r}"
+            )
         for name in ("kv_pages", "max_model_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
@@ -107,7 +115,9 @@ def build_runtime(
     metrics = metrics or InferenceMetrics()
     folder = model_folder(config.model)
     hf_config = json.loads((folder / "config.json").read_text())
-    loaded = load_model(folder, config.device, config.torch_dtype)
+    loaded = load_model(
+        folder, config.device, config.torch_dtype, expert_activations=config.expert_activations
+    )
     engine = assemble_engine(config, loaded.model, hf_config, source, metrics, on_fetched)
     log.info(
         "model %s (%s, %s on %s): max model len %d, %d KV pages of %d tokens",

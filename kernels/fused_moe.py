@@ -499,7 +499,10 @@ def _grouped_gemm_kernel(
             # e4m3 × e4m3 product is exact in float32, then scaled by both blocks' scales.
             s = tl.load(s_base + (offs_n // BN) * stride_sn + k0 // BK, mask=offs_n < N, other=0.0)
             a_s = tl.load(a_scale_ptr + a_row.to(tl.int64) * stride_as + k0 // BK, mask=real)
-            acc += tl.dot(a, b) * (a_s[:, None] * s[None, :])
+            if BLOCK_K >= 32:
+                acc += tl.dot(a, b) * (a_s[:, None] * s[None, :])
+            else:  # e4m3 MMAs take K tiles of 32; fp16 holds every e4m3 value exactly
+                acc += tl.dot(a.to(tl.float16), b.to(tl.float16)) * (a_s[:, None] * s[None, :])
         else:
             # BLOCK_K divides BK: the tile lies in one scale block (or group) along K.
             s = tl.load(s_base + (offs_n // BN) * stride_sn + k0 // BK, mask=offs_n < N, other=0.0)

@@ -20,7 +20,15 @@ from inference_svc.model.config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, quant: QuantMethod, dtype, device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        index: int,
+        quant: QuantMethod,
+        dtype,
+        device,
+        expert_quant: QuantMethod | None = None,
+    ):
         super().__init__()
         c = config
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
@@ -29,7 +37,10 @@ class DecoderLayer(nn.Module):
         self.moe: MoE | None = None
         self.mlp: DenseMLP | None = None
         if c.is_moe_layer(index):
-            self.moe = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, quant, dtype, device)
+            self.moe = MoE(
+                c.hidden_size, c.moe_intermediate_size, c.routing, expert_quant or quant, dtype,
+                device,
+            )  # fmt: skip
             if c.n_shared_experts:
                 shared_inter = c.moe_intermediate_size * c.n_shared_experts
                 self.mlp = DenseMLP(c.hidden_size, shared_inter, quant, dtype, device)
@@ -49,9 +60,19 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    """Embedding → decoder layers → final norm; `compute_logits` applies the LM head."""
+    """Embedding → decoder layers → final norm; `compute_logits` applies the LM head.
 
-    def __init__(self, config: ModelConfig, quant: QuantMethod, dtype: torch.dtype, device):
+    quant: every weight's format; expert_quant: the routed experts' instead (None: quant).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        quant: QuantMethod,
+        dtype: torch.dtype,
+        device,
+        expert_quant: QuantMethod | None = None,
+    ):
         super().__init__()
         c = config
         self.config = config
@@ -59,7 +80,7 @@ class DeepseekV3Model(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
         self.embed.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(c, i, quant, dtype, device) for i in range(c.num_layers)
+            DecoderLayer(c, i, quant, dtype, device, expert_quant) for i in range(c.num_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.lm_head = nn.Linear(

@@ -8,6 +8,7 @@ import pytest
 # The service entry point imports the health service, absent on the GPU machine.
 pytest.importorskip("grpc_health")
 from inference_svc.__main__ import app_config, build_parser  # noqa: E402
+from inference_svc.runtime import RuntimeConfig  # noqa: E402
 
 
 def _runtime(argv: list[str]):  # type: ignore[no-untyped-def]
@@ -18,6 +19,17 @@ def test_overlap_is_on_by_default_and_the_flag_turns_it_off() -> None:
     assert _runtime([]).overlap_steps is True
     assert _runtime(["--no-overlap-steps"]).overlap_steps is False
     assert _runtime(["--overlap-steps"]).overlap_steps is True
+
+
+def test_expert_activations_flag_and_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    assert _runtime([]).expert_activations == "bf16"
+    assert _runtime(["--expert-activations", "e4m3"]).expert_activations == "e4m3"
+    monkeypatch.setenv("LORASERVE_EXPERT_ACTIVATIONS", "e4m3")
+    assert _runtime([]).expert_activations == "e4m3"
+    with pytest.raises(SystemExit):
+        _runtime(["--expert-activations", "fp8"])
+    with pytest.raises(ValueError, match="expert_activations must be one of"):
+        RuntimeConfig(model="tiny", base_model_name="tiny", expert_activations="fp8")
 
 
 @pytest.mark.parametrize("raw,expected", [("0", False), ("false", False), ("1", True)])

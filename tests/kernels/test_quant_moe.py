@@ -203,6 +203,18 @@ def test_quantized_grouped_gemm_matches_ref(scheme, pattern, dtype):
     torch.testing.assert_close(down.cpu().float(), down_ref.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_a8_with_k_blocks_below_32_matches_ref(dtype):
+    """e4m3 MMAs take K tiles of 32: 16-wide blocks (the tiny FP8 test checkpoints') take
+    the fp16 product of the same e4m3 values."""
+    ids, x, (w13, s13, b13), _ = _gemm_case("block_a8", dtype, "uniform", 16, seed=6)
+    align = fm.moe_align(ids.to(DEVICE), 8, 16)
+    got = fm.grouped_gemm(x.to(DEVICE), w13.to(DEVICE), align, 2, s13.to(DEVICE), b13, "block_a8")
+    ref = fm.grouped_gemm_ref(x, w13, fm.moe_align_ref(ids, 8, 16), 2, s13, b13, "block_a8")
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.cpu().float(), ref.float(), atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_quantized_ref_equals_dequantized_weights(scheme):
     """The reference under a scheme = a float GEMM on the dequantized weights (and, for

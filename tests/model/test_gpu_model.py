@@ -50,11 +50,15 @@ def test_cuda_graph_replay_equals_eager(tiny_checkpoint):
         )
 
 
-def test_fp8_kept_on_gpu_matches_dequantized(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("expert_activations", ["bf16", "e4m3"])
+def test_fp8_kept_on_gpu_matches_dequantized(tiny_checkpoint, tmp_path, expert_activations):
+    """bf16 expert activations: the dequantized model's outputs (KL_BOUND). e4m3: the
+    experts' inputs are rounded to e4m3 per 128-group, so within that rounding (as on the
+    CPU, tests/model/test_loader.py)."""
     ckpt = tiny_checkpoint("v3_q_lora")
     quantized, dequantized = fp8_tensors(load_file(str(ckpt.folder / "model.safetensors")))
     fp8 = load_model(copy_with(ckpt.folder, tmp_path / "fp8", quantized, FP8_CONFIG), "cuda",
-                     torch.bfloat16)  # fmt: skip
+                     torch.bfloat16, expert_activations=expert_activations)  # fmt: skip
     ref = load_model(copy_with(ckpt.folder, tmp_path / "f", dequantized), "cuda", torch.bfloat16)
     assert fp8.model.layers[1].moe.experts.w13.weight.dtype == torch.float8_e4m3fn
     tokens = list(range(3, 30))
@@ -63,5 +67,10 @@ def test_fp8_kept_on_gpu_matches_dequantized(tiny_checkpoint, tmp_path):
         runner = ModelRunner(loaded.model, RunnerConfig(num_pages=4, page_size=PAGE_SIZE))
         batch = build_batch([SequenceStep(0, len(tokens), (0, 1), True)], PAGE_SIZE, "cuda")
         outs.append(runner.execute(torch.tensor(tokens, device="cuda"), batch).log_softmax(-1))
+    if expert_activations == "e4m3":
+        assert fp8.model.layers[1].moe.experts.quant.name == "fp8_block_a8"
+        diff = (outs[0].float() - outs[1].float()).abs()
+        assert 0 < diff.max() < 0.2 and diff.mean() < 0.02, (diff.max(), diff.mean())
+        return
     kl = kl_per_token(outs[1].float(), outs[0].float())
     assert kl.max() <= KL_BOUND

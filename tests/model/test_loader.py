@@ -93,6 +93,40 @@ def test_fp8_checkpoint_dequantizes_on_load(tiny_checkpoint, tmp_path):
     torch.testing.assert_close(logits_of(kept), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_fp8_experts_with_e4m3_activations(tiny_checkpoint, tmp_path):
+    """expert_activations="e4m3": the routed experts (only) take fp8_block_a8, load the same
+    e4m3 weights, and the logits stay a rounding of the activations away from fp8_block's."""
+    ckpt = tiny_checkpoint("v3_q_lora")
+    quantized, _ = fp8_tensors(load_file(str(ckpt.folder / "model.safetensors")))
+    fp8_folder = copy_with(ckpt.folder, tmp_path / "fp8", quantized, FP8_CONFIG)
+    config = load_config(fp8_folder)
+    exact = build_model(config, "cpu", torch.float32, quant_method="fp8_block")
+    a8 = build_model(
+        config, "cpu", torch.float32, quant_method="fp8_block", expert_activations="e4m3"
+    )
+    for model in (exact, a8):
+        load_weights(model, iter_checkpoint(fp8_folder))
+    moe = a8.layers[1].moe
+    assert moe.experts.quant.name == "fp8_block_a8"
+    assert a8.layers[1].attn.o.quant.name == "fp8_block"  # dense layers keep bf16 inputs
+    assert a8.layers[1].mlp.gate_up.quant.name == "fp8_block"  # shared experts too
+    assert torch.equal(
+        moe.experts.w13.weight.view(torch.uint8),
+        exact.layers[1].moe.experts.w13.weight.view(torch.uint8),
+    )
+    got, want = logits_of(a8).log_softmax(-1), logits_of(exact).log_softmax(-1)
+    # e4m3 keeps 3 mantissa bits (≤ 2⁻⁴ relative per activation) in two MoE layers; a wrong
+    # scale, group or layout would move log-probabilities by whole units.
+    diff = (got - want).abs()
+    assert 0 < diff.max() < 0.2 and diff.mean() < 0.02, (diff.max(), diff.mean())
+    with pytest.raises(ValueError, match="need an FP8 checkpoint"):
+        build_model(load_config(ckpt.folder), "cpu", torch.float32, expert_activations="e4m3")
+    with pytest.raises(ValueError, match="expert activations must be one of"):
+        build_model(
+            config, "cpu", torch.float32, quant_method="fp8_block", expert_activations="fp8"
+        )
+
+
 def test_fp8_scale_in_another_shard_and_orphans(tiny_checkpoint, tmp_path):
     ckpt = tiny_checkpoint("v3_no_q_lora")
     quantized, _ = fp8_tensors(load_file(str(ckpt.folder / "model.safetensors")))
