@@ -25,6 +25,7 @@ from inference_svc.lora.apply import (
 from inference_svc.model.config import RoutingConfig
 from kernels import fused_moe as fm
 from kernels.lora_segments import LoraSegments
+from kernels.moe_routing import select_experts, select_experts_ref
 
 
 class DenseMLP(nn.Module):
@@ -56,40 +57,17 @@ class Router(nn.Module):
                 torch.zeros(e, dtype=torch.float32, device=device), False
             )
 
-    def _group_mask(self, choice: torch.Tensor, group_score: str) -> torch.Tensor:
-        """[T, E] bool: experts in the `topk_group` best of `n_group` groups."""
-        r = self.routing
-        grouped = choice.view(choice.shape[0], r.n_group, -1)  # [T, G, E/G]
-        if group_score == "top2_sum":
-            scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
-        else:
-            scores = grouped.max(dim=-1).values
-        best = scores.topk(r.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
-        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, best, True)
-        return mask[:, :, None].expand_as(grouped).reshape_as(choice)
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → topk_weights [T, k] float32, topk_ids [T, k] int64."""
         r = self.routing
         logits = x.float() @ self.weight.T  # [T, E]
-        if r.method == "noaux_tc":
-            # DeepSeek-V3: sigmoid scores; the correction bias steers only the selection.
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
-            choice = choice.masked_fill(~self._group_mask(choice, "top2_sum"), float("-inf"))
-            ids = choice.topk(r.top_k, dim=-1, sorted=False).indices
-            weights = scores.gather(1, ids)
-            if r.norm_topk_prob:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-            return weights * r.routed_scaling_factor, ids
-        scores = logits.softmax(dim=-1)
-        if r.method == "group_limited_greedy":
-            scores = scores.masked_fill(~self._group_mask(scores, "max"), 0.0)
-        weights, ids = scores.topk(r.top_k, dim=-1, sorted=False)
-        # DeepSeek-V2 either renormalises the top-k weights or scales them, never both.
-        if r.top_k > 1 and r.norm_topk_prob:
-            return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
-        return weights * r.routed_scaling_factor, ids
+        # One launch on the GPU for what the reference does in up to a dozen torch ops.
+        select = select_experts if x.is_cuda else select_experts_ref
+        bias = self.e_score_correction_bias if r.method == "noaux_tc" else None
+        return select(
+            logits, r.top_k, r.method, r.n_group, r.topk_group, r.norm_topk_prob,
+            r.routed_scaling_factor, bias,
+        )  # fmt: skip
 
 
 class RoutedExperts(nn.Module):

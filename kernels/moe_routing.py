@@ -1,0 +1,197 @@
+"""MoE expert selection from router logits: scores, group limit, top-k and weights in one
+launch.
+
+The router's torch ops launch one kernel each: softmax, top-k and a scale for V2's greedy
+routing; for V3's `noaux_tc` sigmoid, the bias add, a top-2 and a sum per group, the groups'
+top-k, a scatter, a masked fill, the top-k, a gather, a sum, a division and a scale. At
+decode each is a few microseconds of latency per MoE layer. `select_experts` does all of it
+in one program per block of tokens, a row of E scores in registers.
+
+Methods (DeepSeek-V2/V3's `topk_method`):
+    greedy:               softmax scores, the k best.
+    group_limited_greedy: softmax scores; only experts in the `topk_group` groups with the
+                          best max score stay (the others' scores become 0).
+    noaux_tc:             sigmoid scores; choice = score + correction bias; groups ranked
+                          by the sum of their two best choices; the k best choices among the
+                          kept groups, weighted by their scores (not the bias).
+Weights: renormalised to sum 1 (`norm_topk_prob`; greedy methods only when k > 1), else
+multiplied by `routed_scaling_factor`; noaux_tc renormalises, then scales.
+
+Shapes: T tokens, E experts, k = top_k.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.host_math import cdiv, next_power_of_2
+
+METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+_NORM_EPS = 1e-20  # the reference's: a zero weight sum must not divide by zero
+
+
+def _group_mask(choice: torch.Tensor, n_group: int, topk_group: int, top2: bool) -> torch.Tensor:
+    """[T, E] bool: experts in the `topk_group` best of `n_group` groups, a group scored by
+    its best choice (or its two best, summed)."""
+    grouped = choice.view(choice.shape[0], n_group, choice.shape[1] // n_group)  # [T, G, E/G]
+    if top2:
+        scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    else:
+        scores = grouped.max(dim=-1).values
+    best = scores.topk(topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+    mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, best, True)
+    return mask[:, :, None].expand_as(grouped).reshape_as(choice)
+
+
+def select_experts_ref(
+    logits: torch.Tensor,
+    top_k: int,
+    method: str,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = False,
+    scaling: float = 1.0,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics (module docstring). logits [T, E] float32, bias [E] (noaux_tc).
+    Returns: weights [T, k] float32, ids [T, k] int64 (in no particular order)."""
+    if method == "noaux_tc":
+        scores = logits.sigmoid()
+        choice = scores + bias
+        if n_group > 1:
+            choice = choice.masked_fill(
+                ~_group_mask(choice, n_group, topk_group, top2=True), float("-inf")
+            )
+        ids = choice.topk(top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + _NORM_EPS)
+        return weights * scaling, ids
+    scores = logits.softmax(dim=-1)
+    if method == "group_limited_greedy":
+        scores = scores.masked_fill(~_group_mask(scores, n_group, topk_group, top2=False), 0.0)
+    weights, ids = scores.topk(top_k, dim=-1, sorted=False)
+    # DeepSeek-V2 either renormalises the top-k weights or scales them, never both.
+    if top_k > 1 and norm_topk_prob:
+        return weights / (weights.sum(dim=-1, keepdim=True) + _NORM_EPS), ids
+    return weights * scaling, ids
+
+
+@triton.jit
+def _limit_to_best_groups(
+    choice, cols, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+    TOP2: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_T, BLOCK_E] bool: the experts of each row's TOPK_GROUP best groups."""
+    group_of = cols // GROUP_SIZE  # [BLOCK_E]
+    group_cols = tl.arange(0, BLOCK_G)
+    group_score = tl.full((BLOCK_T, BLOCK_G), float("-inf"), tl.float32)
+    for g in tl.static_range(N_GROUP):
+        values = tl.where((group_of == g)[None, :], choice, float("-inf"))
+        score = tl.max(values, axis=1)
+        if TOP2 and GROUP_SIZE > 1:
+            first = tl.argmax(values, axis=1)
+            score += tl.max(tl.where(cols[None, :] == first[:, None], float("-inf"), values), 1)
+        group_score = tl.where(group_cols[None, :] == g, score[:, None], group_score)
+    keep = tl.zeros((BLOCK_T, BLOCK_E), tl.int1)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.argmax(group_score, axis=1)
+        keep = keep | (group_of[None, :] == best[:, None])
+        group_score = tl.where(group_cols[None, :] == best[:, None], float("-inf"), group_score)
+    return keep
+
+
+# Per-step token counts unspecialised: no compile per count class mid-serving.
+@triton.jit(do_not_specialize=["num_tokens"])
+def _select_experts_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_l, scaling,
+    TOP_K: tl.constexpr, METHOD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, NORM: tl.constexpr, NORM_EPS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok, col_ok = rows < num_tokens, cols < num_experts
+    rows64 = tl.where(row_ok, rows, 0).to(tl.int64)  # rows past T read row 0, never stored
+    logit = tl.load(
+        logits_ptr + rows64[:, None] * stride_l + cols[None, :],
+        mask=col_ok[None, :],
+        other=float("-inf"),
+    )
+    if METHOD == 2:
+        scores = tl.sigmoid(logit)  # padding columns: 0
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+        choice = tl.where(col_ok[None, :], scores + bias[None, :], float("-inf"))
+    else:
+        exps = tl.exp(logit - tl.max(logit, axis=1)[:, None])  # padding columns: 0
+        scores = exps / tl.sum(exps, axis=1)[:, None]
+        choice = tl.where(col_ok[None, :], scores, float("-inf"))
+    if N_GROUP > 1:
+        keep = _limit_to_best_groups(
+            choice, cols, BLOCK_T, BLOCK_E, N_GROUP, TOPK_GROUP, GROUP_SIZE, BLOCK_G, METHOD == 2
+        )
+        if METHOD == 2:
+            choice = tl.where(keep, choice, float("-inf"))
+        else:  # the reference zeroes the other groups' scores, then takes the top-k
+            scores = tl.where(keep, scores, 0.0)
+            choice = tl.where(col_ok[None, :], scores, float("-inf"))
+    k_cols = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=1)  # ties: the lowest expert id
+        hit = cols[None, :] == best[:, None]
+        weight = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        weights = tl.where(k_cols[None, :] == j, weight[:, None], weights)
+        ids = tl.where(k_cols[None, :] == j, best.to(tl.int64)[:, None], ids)
+        choice = tl.where(hit, float("-inf"), choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + NORM_EPS)
+    if METHOD == 2 or not NORM:
+        weights = weights * scaling
+    out = rows64[:, None] * TOP_K + k_cols[None, :]
+    mask = row_ok[:, None] & (k_cols[None, :] < TOP_K)
+    tl.store(weights_ptr + out, weights, mask=mask)
+    tl.store(ids_ptr + out, ids, mask=mask)
+
+
+def select_experts(
+    logits: torch.Tensor,
+    top_k: int,
+    method: str,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = False,
+    scaling: float = 1.0,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `select_experts_ref` (same arguments and result; ids in order of
+    choice, best first)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown routing method {method!r} (known: {sorted(METHODS)})")
+    if (bias is None) != (method != "noaux_tc"):
+        raise ValueError("noaux_tc takes a correction bias; the greedy methods none")
+    tokens, experts = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1 or experts % n_group:
+        raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}: float32 [T, E], E % G")
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    if tokens == 0:
+        return weights, ids
+    block_e = next_power_of_2(experts)
+    # A row of E scores per token in registers: fewer tokens per program for wide routers.
+    block_t = max(1, min(16, 4096 // block_e))
+    # The greedy methods renormalise only when k > 1 (a lone weight is left as it is).
+    norm = norm_topk_prob and (top_k > 1 or method == "noaux_tc")
+    _select_experts_kernel[(cdiv(tokens, block_t),)](
+        logits, bias if bias is not None else logits, weights, ids, tokens, experts,
+        logits.stride(0), float(scaling),
+        TOP_K=top_k, METHOD=METHODS[method], N_GROUP=n_group, TOPK_GROUP=topk_group,
+        GROUP_SIZE=experts // n_group, NORM=norm, NORM_EPS=_NORM_EPS,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=next_power_of_2(n_group),
+        BLOCK_K=next_power_of_2(top_k),
+    )  # fmt: skip
+    return weights, ids
