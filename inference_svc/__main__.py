@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--max-loras", type=int, default=8, help="GPU LoRA slots")
     add_flag(serve, "--max-lora-rank", type=int, default=16, help="largest adapter rank served")
     add_flag(serve, "--lora-memory-gb", type=float, default=None, help="GPU memory for LoRA slots")
+    add_flag(
+        serve,
+        "--lora-memory-fraction",
+        type=float,
+        default=None,
+        help="or the LoRA slots' memory as a fraction of the GPU's free memory at start-up",
+    )
     add_flag(serve, "--host-cache-gb", type=float, default=2.0, help="host adapter cache size")
     add_flag(serve, "--kv-pages", type=int, default=0, help="KV cache pages (0: automatic)")
     add_flag(serve, "--page-size", type=int, default=16, help="tokens per KV page")
@@ -119,6 +126,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             lora_memory_gb=args.lora_memory_gb,
+            lora_memory_fraction=args.lora_memory_fraction,
             host_cache_gb=args.host_cache_gb,
             kv_pages=args.kv_pages,
             page_size=args.page_size,

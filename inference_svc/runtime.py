@@ -44,6 +44,8 @@ class RuntimeConfig:
     max_loras: int = 8  # GPU slots (the memory budget may allow fewer)
     max_lora_rank: int = 16
     lora_memory_gb: float | None = None
+    # Or the slots' budget as a fraction of the device's free memory at start-up.
+    lora_memory_fraction: float | None = None
     host_cache_gb: float = 2.0
     # Pinned arena the host cache packs fetched adapters into, allocated at start-up;
     # None: host_cache_gb (the whole cache). Benchmarks whose entries alias a few weight
@@ -82,6 +84,12 @@ class RuntimeConfig:
         for name in ("kv_pages", "max_model_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
+        if self.lora_memory_gb is not None and self.lora_memory_fraction is not None:
+            raise ValueError("give lora_memory_gb or lora_memory_fraction, not both")
+        if self.lora_memory_fraction is not None and not 0 < self.lora_memory_fraction <= 1:
+            raise ValueError(
+                f"lora_memory_fraction must be in (0, 1], got {self.lora_memory_fraction}"
+            )
         if self.host_cache_gb <= 0:
             raise ValueError(f"host_cache_gb must be > 0, got {self.host_cache_gb}")
         if self.host_arena_gb is not None and self.host_arena_gb < 0:
@@ -161,6 +169,7 @@ def assemble_engine(
             device=config.device,
             max_loras=config.max_loras,
             lora_memory_gb=config.lora_memory_gb,
+            lora_memory_fraction=config.lora_memory_fraction,
         ),
     )
     runner = ModelRunner(

@@ -8,7 +8,7 @@ import pytest
 # The service entry point imports the health service, absent on the GPU machine.
 pytest.importorskip("grpc_health")
 from inference_svc.__main__ import app_config, build_parser  # noqa: E402
-from inference_svc.runtime import RuntimeConfig  # noqa: E402
+from inference_svc.runtime import RuntimeConfig, build_runtime  # noqa: E402
 
 
 def _runtime(argv: list[str]):  # type: ignore[no-untyped-def]
@@ -32,8 +32,28 @@ def test_expert_activations_flag_and_environment(monkeypatch) -> None:  # type: 
         RuntimeConfig(model="tiny", base_model_name="tiny", expert_activations="fp8")
 
 
+def test_lora_memory_budget_as_gigabytes_or_a_fraction() -> None:
+    """The LoRA pool's budget reaches the runtime config either way, never both."""
+    assert _runtime(["--lora-memory-gb", "3"]).lora_memory_gb == 3.0
+    assert _runtime(["--lora-memory-fraction", "0.25"]).lora_memory_fraction == 0.25
+    with pytest.raises(ValueError, match="not both"):
+        _runtime(["--lora-memory-gb", "3", "--lora-memory-fraction", "0.25"])
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        _runtime(["--lora-memory-fraction", "1.5"])
+
+
 @pytest.mark.parametrize("raw,expected", [("0", False), ("false", False), ("1", True)])
 def test_the_environment_sets_the_default(monkeypatch, raw, expected) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("LORASERVE_OVERLAP_STEPS", raw)
     assert _runtime([]).overlap_steps is expected
     assert _runtime(["--overlap-steps"]).overlap_steps is True  # the command line wins
+
+
+def test_the_fraction_sizes_the_runtimes_lora_pool() -> None:
+    """RuntimeConfig.lora_memory_fraction reaches the pool: a fraction of free memory too
+    small for one slot is the pool's start-up error, a usable one gives the capped slots."""
+    base = {"model": "tiny", "base_model_name": "tiny", "max_loras": 3, "kv_pages": 16}
+    with pytest.raises(ValueError, match="lora_memory_fraction=1e-12 .* holds no slot"):
+        build_runtime(RuntimeConfig(**base, lora_memory_fraction=1e-12), None)
+    runtime = build_runtime(RuntimeConfig(**base, lora_memory_fraction=0.5), None)
+    assert runtime.engine.runner.lora_pool.num_slots == 3
