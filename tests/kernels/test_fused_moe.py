@@ -158,6 +158,11 @@ def test_block_m_grows_with_pairs_per_expert():
     assert fm.default_tiles(16, "block") == fm.DECODE_TILES["block"][16]
     assert fm.default_tiles(32, "float").block_k == 128
     assert fm.default_tiles(16, "w8a8") == fm.default_tiles(16, "int4_group") == fm.GemmTiles()
+    # e4m3 activations: FP8's row tiles and prefill plan, their own decode plans.
+    a8 = [fm.moe_block_m(b * 6, 64, "block_a8") for b in (1, 64, 128, 256, 512)]
+    assert a8 == fp8
+    assert fm.default_tiles(128, "block_a8") == fm.PREFILL_TILES["block"]
+    assert fm.default_tiles(16, "block_a8") == fm.DECODE_TILES["block_a8"][16]
 
 
 def make_experts(experts, n, k, dtype, seed, fp8_block=None):

@@ -219,6 +219,51 @@ def test_quantized_grouped_gemm_matches_ref(scheme, pattern, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_block_a8_prefill_row_tiles_match_ref(dtype):
+    """128-row tiles (the long-prefill plan) with e4m3 activations, gate_up and down."""
+    ids, x, (w13, s13, b13), (w2, s2, b2) = _gemm_case("block_a8", dtype, "skewed", 32, seed=8)
+    align, align_cpu = fm.moe_align(ids.to(DEVICE), 8, 128), fm.moe_align_ref(ids, 8, 128)
+    atol, rtol = TOLERANCE[dtype]
+    gate_up = fm.grouped_gemm(
+        x.to(DEVICE), w13.to(DEVICE), align, 2, s13.to(DEVICE), b13, "block_a8"
+    )
+    ref = fm.grouped_gemm_ref(x, w13, align_cpu, 2, s13, b13, "block_a8")
+    torch.testing.assert_close(gate_up.cpu().float(), ref.float(), atol=atol, rtol=rtol)
+    act = fm.silu_mul_ref(ref)
+    down = fm.grouped_gemm(act.to(DEVICE), w2.to(DEVICE), align, 1, s2.to(DEVICE), b2, "block_a8")
+    down_ref = fm.grouped_gemm_ref(act, w2, align_cpu, 1, s2, b2, "block_a8")
+    torch.testing.assert_close(down.cpu().float(), down_ref.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_block_a8_at_a_prefill_step_on_gpu():
+    """2048 tokens of V2-Lite (12288 pairs: 128-row tiles, the long-prefill plan) in bf16."""
+    tokens, experts, top_k, hidden, inter = 2048, 64, 6, 2048, 1408
+    ids, _ = routing(tokens, experts, top_k, "uniform", seed=2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    q, s, block = quantize_experts(
+        torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05, "block_a8", 128
+    )
+    block_m = fm.moe_block_m(ids.numel(), experts, "block_a8")
+    assert block_m == 128
+    got = fm.grouped_gemm(
+        x.cuda(),
+        q.cuda(),
+        fm.moe_align(ids.cuda(), experts, block_m),
+        top_k,
+        s.cuda(),
+        block,
+        "block_a8",
+    )
+    ref = fm.grouped_gemm_ref(
+        x, q, fm.moe_align_ref(ids, experts, block_m), top_k, s, block, "block_a8"
+    )
+    torch.testing.assert_close(got.float().cpu(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_block_a8_with_k_blocks_below_32_matches_ref(dtype):
     """e4m3 MMAs take K tiles of 32: 16-wide blocks (the tiny FP8 test checkpoints') take
     the fp16 product of the same e4m3 values."""
