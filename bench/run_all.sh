@@ -15,7 +15,9 @@
 # windows: where a step's host time goes), mla_prefill (one-launch prefill attention vs
 # torch SDPA per sequence), grouped_gemm_decode (expert GEMM tile plans at decode batches,
 # weight bandwidth vs copy bandwidth), triton_launch (host µs per Triton launch: the
-# public call, the JIT launch, the compiled kernel directly). A benchmark cut off by its
+# public call, the JIT launch, the compiled kernel directly), model_decode_fp8_a8 and
+# serve_offline_fp8_a8 (FP8 experts with e4m3 activations), moe_routing (expert selection:
+# torch ops vs one launch). A benchmark cut off by its
 # limit keeps what it wrote (the serving ones rewrite their JSON after every scenario and
 # skip scenarios that would not fit: --time-budget). Logs: RESULTS_DIR/NAME.log.
 # Limits (s) can be changed per benchmark: LIMIT_<NAME>=300 bash bench/run_all.sh DIR NAME.
@@ -30,7 +32,8 @@ for name_limit in ceilings:30 lora_kernels:50 model_decode:50 lora_decode_overhe
     lora_slot_load:45 serve_offline_r16:140 serve_online:120 serve_offline_r64:50 \
     model_decode_fp8:60 serve_offline_fp8:140 serve_offline_noroute:130 serve_cold_idle:100 \
     grouped_gemm_tiles:120 copy_contention:60 serve_offline_profile:300 moe_lora_prefill:90 \
-    serve_offline_host_profile:240 mla_prefill:60 grouped_gemm_decode:90 triton_launch:60; do
+    serve_offline_host_profile:240 mla_prefill:60 grouped_gemm_decode:90 triton_launch:60 \
+    model_decode_fp8_a8:60 serve_offline_fp8_a8:140 moe_routing:60; do
   var="LIMIT_${name_limit%%:*}"
   declare "$var=${!var:-${name_limit##*:}}"
 done
@@ -38,6 +41,7 @@ done
 VARIANTS=" model_decode_fp8 serve_offline_fp8 serve_offline_noroute serve_cold_idle "
 VARIANTS+=" grouped_gemm_tiles copy_contention serve_offline_profile moe_lora_prefill "
 VARIANTS+=" serve_offline_host_profile mla_prefill grouped_gemm_decode triton_launch "
+VARIANTS+=" model_decode_fp8_a8 serve_offline_fp8_a8 moe_routing "
 
 run() {  # run NAME LIMIT_S MODULE ARGS...
   local name=$1 limit=$2
@@ -91,6 +95,12 @@ run mla_prefill "$LIMIT_mla_prefill" bench.mla_prefill --out "$OUT/mla_prefill.j
 run grouped_gemm_decode "$LIMIT_grouped_gemm_decode" bench.grouped_gemm_tiles --decode \
   --out "$OUT/grouped_gemm_decode.json"
 run triton_launch "$LIMIT_triton_launch" bench.triton_launch --out "$OUT/triton_launch.json"
+run model_decode_fp8_a8 "$LIMIT_model_decode_fp8_a8" bench.model_decode --experts fp8_a8 \
+  --json "$OUT/model_decode_fp8_a8.json" --plot "$OUT/model_decode_fp8_a8.png" --batch-sizes 1 64 256
+run serve_offline_fp8_a8 "$LIMIT_serve_offline_fp8_a8" bench.serve_offline --rank 16 --experts fp8_a8 \
+  --out "$OUT/serve_offline_fp8_a8.json" --time-budget $(( LIMIT_serve_offline_fp8_a8 - 15 )) \
+  --scenarios "${GOALS[@]}"
+run moe_routing "$LIMIT_moe_routing" bench.moe_routing --out "$OUT/moe_routing.json"
 
 echo "== all done in $(( $(date +%s) - START )) s; results in $OUT"
 "$PY" -m bench.summary "$OUT"

@@ -81,7 +81,11 @@ def sgmv_lines(results: Path) -> Iterator[Line]:
 
 
 # Decode-step results: file stem -> the routed experts' weights.
-DECODE_RUNS = {"model_decode": "bf16", "model_decode_fp8": "FP8 experts"}
+DECODE_RUNS = {
+    "model_decode": "bf16",
+    "model_decode_fp8": "FP8 experts",
+    "model_decode_fp8_a8": "FP8 experts, e4m3 activations",
+}
 
 
 def decode_lines(results: Path) -> Iterator[Line]:
@@ -123,6 +127,7 @@ OFFLINE_RUNS = {
     "serve_offline_r16": "rank 16",
     "serve_offline_r64": "rank 64",
     "serve_offline_fp8": "rank 16, FP8 experts",
+    "serve_offline_fp8_a8": "rank 16, FP8 experts, e4m3 activations",
     "serve_offline_noroute": "rank 16, adapters off the routed experts",
 }
 # Cold-adapter probes: file stem -> the load they ran under.
