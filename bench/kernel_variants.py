@@ -16,9 +16,11 @@ from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import inference_svc.layers.mla as mla_layer
+import inference_svc.layers.moe as moe_layer
 import inference_svc.layers.norm as norm_layer
 import inference_svc.layers.rope as rope_layer
 from kernels import fused_moe as fm
+from kernels import moe_routing
 from kernels.mla_attention import MLA_DECODE_CONFIGS, mla_decode
 from kernels.rms_norm import rms_norm_ref
 from kernels.rope import rope_ref
@@ -46,12 +48,16 @@ PATCHES = {
     "decode_tiles": (fm, "DECODE_TILES", {}),
     # FP8 experts with the bf16 row tiles at decode (before FP8_HALF_ROWS_MAX_PAIRS).
     "fp8_rows": (fm, "FP8_HALF_ROWS_MAX_PAIRS", 0),
+    # The router's selection as torch ops (before the one-launch selection kernel).
+    "routing": (moe_layer, "select_experts", moe_routing.select_experts_ref),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {
     # FP8 experts scale the weight tile and chain the MMA at decode row tiles too (the
     # model does so from SCALE_TILES_MIN_ROWS rows: prefill tiles).
     "fp8_scale_tiles": (fm, "SCALE_TILES_MIN_ROWS", 16),
+    # Routers with expert groups (V3) select in the kernel too (the model: torch ops).
+    "grouped_selection": (moe_routing, "GROUPED_IN_KERNEL", True),
 }
 VARIANTS: dict[str, frozenset[str]] = {
     "v1": frozenset(PATCHES),

@@ -3,11 +3,13 @@
 The router's torch ops launch one kernel each: softmax, top-k and a scale for V2's greedy
 routing; for `noaux_tc` sigmoid, the bias add, the top-k, a gather, a sum, a division and a
 scale. At decode each is a few microseconds of latency per MoE layer. `select_experts` does
-all of it in one program per block of tokens, a row of E scores in registers, for routers
-without expert groups (DeepSeek-V2-Lite, Kimi-K2): 1.6-1.9× faster at decode sizes on the
-H100 (bench/moe_routing.py). Group-limited routing (DeepSeek-V2, V3) stays on the torch ops
-of `select_experts_ref`: a first kernel version that scored each group with its own
-reductions ran V3's selection at 82 µs against the torch ops' 57 µs (64 tokens).
+all of it in one program per block of tokens, a row of E scores in registers. The model uses
+it for routers without expert groups (DeepSeek-V2-Lite, Kimi-K2): 1.6-1.9× faster at decode
+sizes on the H100 (bench/moe_routing.py). Group-limited routing (DeepSeek-V2, V3) stays on
+the torch ops of `select_experts_ref` until the kernel's group limit is measured faster
+(`GROUPED_IN_KERNEL`): a first version that scored each group with its own reductions ran
+V3's selection at 82 µs against the torch ops' 57 µs (64 tokens); the present one scores all
+groups in one pass over a [T, G, E/G] view (power-of-two layouts), not yet measured.
 
 Methods (DeepSeek-V2/V3's `topk_method`):
     greedy:               softmax scores, the k best.
@@ -30,7 +32,24 @@ import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
 
-METHODS = {"greedy": 0, "noaux_tc": 1}  # the kernel's methods (group-limited ones: torch ops)
+METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+# Whether the model's routers with expert groups select in the kernel (bench.kernel_variants
+# upgrade "grouped_selection" until measured faster than the torch ops).
+GROUPED_IN_KERNEL = False
+
+
+def groups_fit_kernel(num_experts: int, n_group: int) -> bool:
+    """The kernel's group limit needs power-of-two groups that fill the row of scores."""
+    return n_group == 1 or (num_experts & (num_experts - 1) == 0 and n_group & (n_group - 1) == 0)
+
+
+def kernel_selects(method: str, num_experts: int, n_group: int) -> bool:
+    """Whether the model runs `select_experts` (on CUDA) for this router."""
+    if method not in METHODS or not groups_fit_kernel(num_experts, n_group):
+        return False
+    return n_group == 1 or GROUPED_IN_KERNEL
+
+
 _NORM_EPS = 1e-20  # the reference's: a zero weight sum must not divide by zero
 
 
@@ -81,11 +100,36 @@ def select_experts_ref(
     return weights * scaling, ids
 
 
+@triton.jit
+def _best_groups(
+    choice, cols, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_T, BLOCK_E] bool: the experts of each row's TOPK_GROUP best groups; a group
+    scores its best choice, or its two best summed (TOP2). Groups fill the row exactly."""
+    GROUP_SIZE: tl.constexpr = BLOCK_E // N_GROUP
+    grouped = tl.reshape(choice, (BLOCK_T, N_GROUP, GROUP_SIZE))  # all groups in one pass
+    group_score = tl.max(grouped, axis=2)  # [BLOCK_T, G]
+    if TOP2 and GROUP_SIZE > 1:
+        first = tl.argmax(grouped, axis=2)
+        in_group = tl.arange(0, GROUP_SIZE)[None, None, :]
+        group_score += tl.max(tl.where(in_group == first[:, :, None], float("-inf"), grouped), 2)
+    group_of = cols // GROUP_SIZE
+    group_cols = tl.arange(0, N_GROUP)
+    keep = tl.zeros((BLOCK_T, BLOCK_E), tl.int1)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.argmax(group_score, axis=1)
+        keep = keep | (group_of[None, :] == best[:, None])
+        group_score = tl.where(group_cols[None, :] == best[:, None], float("-inf"), group_score)
+    return keep
+
+
 # Per-step token counts unspecialised: no compile per count class mid-serving.
 @triton.jit(do_not_specialize=["num_tokens"])
 def _select_experts_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_l, scaling,
-    TOP_K: tl.constexpr, METHOD: tl.constexpr, NORM: tl.constexpr, NORM_EPS: tl.constexpr,
+    TOP_K: tl.constexpr, METHOD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr, NORM_EPS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -97,7 +141,7 @@ def _select_experts_kernel(
         mask=col_ok[None, :],
         other=float("-inf"),
     )
-    if METHOD == 1:
+    if METHOD == 2:
         scores = tl.sigmoid(logit)  # padding columns: 0
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
         choice = tl.where(col_ok[None, :], scores + bias[None, :], float("-inf"))
@@ -105,6 +149,13 @@ def _select_experts_kernel(
         exps = tl.exp(logit - tl.max(logit, axis=1)[:, None])  # padding columns: 0
         scores = exps / tl.sum(exps, axis=1)[:, None]
         choice = tl.where(col_ok[None, :], scores, float("-inf"))
+    if N_GROUP > 1:
+        keep = _best_groups(choice, cols, BLOCK_T, BLOCK_E, N_GROUP, TOPK_GROUP, METHOD == 2)
+        if METHOD == 2:
+            choice = tl.where(keep, choice, float("-inf"))
+        else:  # the reference zeroes the other groups' scores, then takes the top-k
+            scores = tl.where(keep, scores, 0.0)
+            choice = scores
     k_cols = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int64)
@@ -117,7 +168,7 @@ def _select_experts_kernel(
         choice = tl.where(hit, float("-inf"), choice)
     if NORM:
         weights = weights / (tl.sum(weights, axis=1)[:, None] + NORM_EPS)
-    if METHOD == 1 or not NORM:
+    if METHOD == 2 or not NORM:
         weights = weights * scaling
     out = rows64[:, None] * TOP_K + k_cols[None, :]
     mask = row_ok[:, None] & (k_cols[None, :] < TOP_K)
@@ -135,12 +186,16 @@ def select_experts(
     scaling: float = 1.0,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `select_experts_ref` for routers without groups (n_group 1; same
-    arguments and result, ids in order of choice, best first)."""
+    """Triton version of `select_experts_ref` (same arguments and result; ids in order of
+    choice, best first). Groups must be powers of two filling the experts
+    (`groups_fit_kernel`)."""
     if method not in METHODS:
         raise ValueError(f"unknown routing method {method!r} (known: {sorted(METHODS)})")
-    if n_group != 1:
-        raise ValueError("group-limited selection runs as torch ops (select_experts_ref)")
+    if not groups_fit_kernel(logits.shape[1], n_group):
+        raise ValueError(
+            f"{n_group} groups of {logits.shape[1]} experts: the kernel's group limit needs "
+            "power-of-two groups (select_experts_ref takes any)"
+        )
     if (bias is None) != (method != "noaux_tc"):
         raise ValueError("noaux_tc takes a correction bias; the greedy methods none")
     tokens, experts = logits.shape
@@ -158,7 +213,8 @@ def select_experts(
     _select_experts_kernel[(cdiv(tokens, block_t),)](
         logits, bias if bias is not None else logits, weights, ids, tokens, experts,
         logits.stride(0), float(scaling),
-        TOP_K=top_k, METHOD=METHODS[method], NORM=norm, NORM_EPS=_NORM_EPS,
+        TOP_K=top_k, METHOD=METHODS[method], N_GROUP=n_group, TOPK_GROUP=topk_group,
+        NORM=norm, NORM_EPS=_NORM_EPS,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_power_of_2(top_k),
     )  # fmt: skip
     return weights, ids

@@ -24,8 +24,8 @@ from inference_svc.lora.apply import (
 )
 from inference_svc.model.config import RoutingConfig
 from kernels import fused_moe as fm
+from kernels import moe_routing
 from kernels.lora_segments import LoraSegments
-from kernels.moe_routing import METHODS as ROUTING_METHODS
 from kernels.moe_routing import select_experts, select_experts_ref
 
 
@@ -62,9 +62,9 @@ class Router(nn.Module):
         """x [T, hidden] → topk_weights [T, k] float32, topk_ids [T, k] int64."""
         r = self.routing
         logits = x.float() @ self.weight.T  # [T, E]
-        # One launch on the GPU where it measured faster than the torch ops: routers without
-        # expert groups (kernels/moe_routing.py).
-        fused = x.is_cuda and r.n_group == 1 and r.method in ROUTING_METHODS
+        # One launch on the GPU where it measured faster than the torch ops (routers without
+        # expert groups, kernels/moe_routing.py).
+        fused = x.is_cuda and moe_routing.kernel_selects(r.method, r.num_experts, r.n_group)
         select = select_experts if fused else select_experts_ref
         bias = self.e_score_correction_bias if r.method == "noaux_tc" else None
         return select(

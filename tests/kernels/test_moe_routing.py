@@ -1,13 +1,15 @@
-"""Expert selection in one launch (`kernels.moe_routing`) against its torch reference for
-routers without expert groups: DeepSeek-V2-Lite (greedy) and Kimi-K2 (noaux_tc, 384
-experts); the reference's group limit (DeepSeek-V2, V3), which stays on torch ops."""
+"""Expert selection in one launch (`kernels.moe_routing`) against its torch reference:
+DeepSeek-V2-Lite (greedy), Kimi-K2 (noaux_tc, 384 experts, one group), DeepSeek-V3
+(noaux_tc, 8 groups of 32) and a group-limited greedy router in power-of-two groups; which
+routers the model sends to the kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.moe_routing import select_experts, select_experts_ref
+from kernels import moe_routing
+from kernels.moe_routing import kernel_selects, select_experts, select_experts_ref
 from tests.fixtures.triton_interpret import kernel_device
 
 DEVICE = kernel_device()
@@ -16,6 +18,8 @@ DEVICE = kernel_device()
 ROUTERS = [
     ("v2_lite", 64, 6, "greedy", 1, 1, False, 1.0),
     ("v3_without_groups", 256, 8, "noaux_tc", 1, 1, True, 2.5),
+    ("v3", 256, 8, "noaux_tc", 8, 4, True, 2.5),
+    ("group_limited_greedy", 64, 6, "group_limited_greedy", 8, 3, False, 16.0),
     ("kimi_k2", 384, 8, "noaux_tc", 1, 1, True, 2.827),
     ("greedy_normalised", 16, 3, "greedy", 1, 1, True, 1.0),
     ("one_expert", 8, 1, "greedy", 1, 1, True, 0.5),
@@ -59,7 +63,7 @@ def test_select_experts_matches_ref(router, tokens):
         )
 
 
-def test_reference_groups_limit_the_choice():
+def test_groups_limit_the_choice():
     """A token whose best single expert sits in a group that loses on its two best:
     noaux_tc picks only from the kept groups (a plain top-k would not)."""
     experts, n_group = 16, 4  # groups of 4
@@ -70,6 +74,10 @@ def test_reference_groups_limit_the_choice():
     bias = torch.zeros(experts)
     _, ids = select_experts_ref(logits, 2, "noaux_tc", n_group, 2, True, 1.0, bias)
     assert sorted(ids[0].tolist()) == [4, 5]
+    _, kernel_ids = select_experts(
+        logits.to(DEVICE), 2, "noaux_tc", n_group, 2, True, 1.0, bias.to(DEVICE)
+    )
+    assert sorted(kernel_ids[0].tolist()) == [4, 5]
     _, greedy = select_experts_ref(logits, 2, "noaux_tc", 1, 1, True, 1.0, bias)
     assert 0 in greedy[0].tolist(), "without groups expert 0 is picked"
 
@@ -80,10 +88,21 @@ def test_bad_arguments_are_refused():
         select_experts(logits, 2, "topk")
     with pytest.raises(ValueError, match="correction bias"):
         select_experts(logits, 2, "noaux_tc")
-    with pytest.raises(ValueError, match="group-limited"):
-        select_experts(logits, 2, "noaux_tc", 2, 1, True, 1.0, torch.zeros(8, device=DEVICE))
     with pytest.raises(ValueError, match="float32"):
         select_experts(logits.half(), 2, "greedy")
+    wide = torch.zeros(2, 160, device=DEVICE)  # DeepSeek-V2: 8 groups of 20
+    with pytest.raises(ValueError, match="power-of-two groups"):
+        select_experts(wide, 6, "group_limited_greedy", 8, 3)
+
+
+def test_which_routers_the_model_sends_to_the_kernel(monkeypatch):
+    """Routers without groups always; grouped ones only once GROUPED_IN_KERNEL is set (the
+    bench upgrade "grouped_selection"), and only in power-of-two groups."""
+    assert kernel_selects("greedy", 64, 1) and kernel_selects("noaux_tc", 384, 1)
+    assert not kernel_selects("noaux_tc", 256, 8)
+    monkeypatch.setattr(moe_routing, "GROUPED_IN_KERNEL", True)
+    assert kernel_selects("noaux_tc", 256, 8)
+    assert not kernel_selects("group_limited_greedy", 160, 8)
 
 
 @pytest.mark.gpu
