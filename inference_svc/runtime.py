@@ -23,9 +23,9 @@ from inference_svc.engine.lora_slots import LoraSlotAllocator
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
 from inference_svc.engine.scheduler import Scheduler, SchedulerConfig
 from inference_svc.engine.warm_up import warm_up_prefill
-from inference_svc.lora.pool import GIB, LoraPool, LoraPoolConfig
+from inference_svc.lora.pool import GIB, LoraPool, LoraPoolConfig, check_lora_budget
 from inference_svc.metrics import InferenceMetrics
-from inference_svc.model.loader import EXPERT_ACTIVATIONS, load_model
+from inference_svc.model.loader import check_expert_activations, load_model
 from inference_svc.model.tiny import model_folder
 from inference_svc.model.tokenizer import Tokenizer
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
@@ -76,20 +76,11 @@ class RuntimeConfig:
         for name in ("max_loras", "max_lora_rank", "page_size", "max_num_seqs", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.expert_activations not in EXPERT_ACTIVATIONS:
-            raise ValueError(
-                f"expert_activations must be one of {EXPERT_ACTIVATIONS}, "
-                f"got {self.expert_activations!r}"
-            )
+        check_expert_activations(self.expert_activations)
         for name in ("kv_pages", "max_model_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
-        if self.lora_memory_gb is not None and self.lora_memory_fraction is not None:
-            raise ValueError("give lora_memory_gb or lora_memory_fraction, not both")
-        if self.lora_memory_fraction is not None and not 0 < self.lora_memory_fraction <= 1:
-            raise ValueError(
-                f"lora_memory_fraction must be in (0, 1], got {self.lora_memory_fraction}"
-            )
+        check_lora_budget(self.lora_memory_gb, self.lora_memory_fraction)
         if self.host_cache_gb <= 0:
             raise ValueError(f"host_cache_gb must be > 0, got {self.host_cache_gb}")
         if self.host_arena_gb is not None and self.host_arena_gb < 0:

@@ -560,6 +560,7 @@ PREFILL_TILES = {
     "float": GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3),
     "block": GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3),
 }
+PREFILL_TILES["block_a8"] = PREFILL_TILES["block"]  # not tuned on its own
 
 
 # Up to 64-row tiles, by scheme and row tile, where a plan beat DEFAULT_TILES at V2-Lite
@@ -597,9 +598,7 @@ SCALE_TILES_MIN_ROWS = 128
 
 def default_tiles(block_m: int, scheme: str) -> GemmTiles:
     if block_m >= 128:
-        # e4m3 activations take FP8's prefill plan (not tuned on their own).
-        prefill_scheme = "block" if scheme == "block_a8" else scheme
-        return PREFILL_TILES.get(prefill_scheme, DEFAULT_TILES)
+        return PREFILL_TILES.get(scheme, DEFAULT_TILES)
     return DECODE_TILES.get(scheme, {}).get(block_m, DEFAULT_TILES)
 
 

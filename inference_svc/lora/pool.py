@@ -71,6 +71,16 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 
+def check_lora_budget(memory_gb: float | None, memory_fraction: float | None) -> None:
+    """Raise unless the pool's memory budget is at most one of: GiB > 0, a fraction in (0, 1]."""
+    if memory_gb is not None and memory_fraction is not None:
+        raise ValueError("give lora_memory_gb or lora_memory_fraction, not both")
+    if memory_gb is not None and memory_gb <= 0:
+        raise ValueError(f"lora_memory_gb must be > 0, got {memory_gb}")
+    if memory_fraction is not None and not 0 < memory_fraction <= 1:
+        raise ValueError(f"lora_memory_fraction must be in (0, 1], got {memory_fraction}")
+
+
 @dataclass(frozen=True)
 class LoraPoolConfig:
     """How big the pool is: `max_loras` slots, or as many as a memory budget holds, or both
@@ -94,14 +104,7 @@ class LoraPoolConfig:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
-        if self.lora_memory_gb is not None and self.lora_memory_fraction is not None:
-            raise ValueError("give lora_memory_gb or lora_memory_fraction, not both")
-        if self.lora_memory_gb is not None and self.lora_memory_gb <= 0:
-            raise ValueError(f"lora_memory_gb must be > 0, got {self.lora_memory_gb}")
-        if self.lora_memory_fraction is not None and not 0 < self.lora_memory_fraction <= 1:
-            raise ValueError(
-                f"lora_memory_fraction must be in (0, 1], got {self.lora_memory_fraction}"
-            )
+        check_lora_budget(self.lora_memory_gb, self.lora_memory_fraction)
         if self.max_loras is None and self.budget_source is None:
             raise ValueError("give max_loras, lora_memory_gb or lora_memory_fraction")
         if not self.dtype.is_floating_point:

@@ -149,12 +149,16 @@ class WeightLoader:
 EXPERT_ACTIVATIONS = ("bf16", "e4m3")
 
 
-def expert_quant_name(quant_name: str, expert_activations: str) -> str | None:
-    """The routed experts' quant method when it differs from the model's (None: the same)."""
+def check_expert_activations(expert_activations: str) -> None:
     if expert_activations not in EXPERT_ACTIVATIONS:
         raise ValueError(
             f"expert activations must be one of {EXPERT_ACTIVATIONS}, got {expert_activations!r}"
         )
+
+
+def expert_quant_name(quant_name: str, expert_activations: str) -> str | None:
+    """The routed experts' quant method when it differs from the model's (None: the same)."""
+    check_expert_activations(expert_activations)
     if expert_activations == "bf16":
         return None
     if quant_name != "fp8_block":

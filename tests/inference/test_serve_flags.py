@@ -28,7 +28,7 @@ def test_expert_activations_flag_and_environment(monkeypatch) -> None:  # type: 
     assert _runtime([]).expert_activations == "e4m3"
     with pytest.raises(SystemExit):
         _runtime(["--expert-activations", "fp8"])
-    with pytest.raises(ValueError, match="expert_activations must be one of"):
+    with pytest.raises(ValueError, match="expert activations must be one of"):
         RuntimeConfig(model="tiny", base_model_name="tiny", expert_activations="fp8")
 
 
