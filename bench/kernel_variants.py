@@ -15,12 +15,15 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from unittest import mock
 
+import torch
+
 import inference_svc.layers.mla as mla_layer
 import inference_svc.layers.moe as moe_layer
 import inference_svc.layers.norm as norm_layer
 import inference_svc.layers.rope as rope_layer
 from kernels import fused_moe as fm
 from kernels import moe_routing
+from kernels import skinny_linear as skinny
 from kernels.mla_attention import MLA_DECODE_CONFIGS, mla_decode
 from kernels.rms_norm import rms_norm_ref
 from kernels.rope import rope_ref
@@ -29,6 +32,29 @@ from kernels.rope import rope_ref
 def block_m_v1(num_pairs: int, num_experts: int) -> int:
     """v1's grouped-GEMM row tile: 16 at every batch size."""
     return 16
+
+
+def add_rms_norm_unfused(residual, addends, weight, eps):
+    """The residual adds as torch launches, then the norm (before add_rms_norm). The norm
+    and rope here are the layers' module attributes, so "v1" still gets the torch forms."""
+    total = addends[0]
+    for addend in addends[1:]:
+        total = total + addend
+    h = residual + total
+    return h, norm_layer.rms_norm(h, weight, eps)
+
+
+def write_latent_cache_unfused(kv_a, norm_weight, eps, cos, sin, interleave, rows, slots):
+    """The one-launch norm and rope, a concatenation and an indexed copy (before
+    write_latent_cache)."""
+    latent, k_rope = kv_a.split([norm_weight.shape[0], kv_a.shape[-1] - norm_weight.shape[0]], -1)
+    rows[slots] = torch.cat(
+        [
+            norm_layer.rms_norm(latent, norm_weight, eps),
+            rope_layer.rope(k_rope, cos, sin, interleave),
+        ],
+        -1,
+    ).to(rows.dtype)
 
 
 # name → (module, attribute, v1 value)
@@ -50,6 +76,12 @@ PATCHES = {
     "fp8_rows": (fm, "FP8_HALF_ROWS_MAX_PAIRS", 0),
     # The router's selection as torch ops (before the one-launch selection kernel).
     "routing": (moe_layer, "select_experts", moe_routing.select_experts_ref),
+    # Residual adds as their own launches (before they rode in the next norm's).
+    "add_norm": (norm_layer, "add_rms_norm", add_rms_norm_unfused),
+    # kv_a_norm, k RoPE, concatenation and scatter as four launches (before one).
+    "latent_cache": (mla_layer, "write_latent_cache", write_latent_cache_unfused),
+    # cuBLAS for every dense projection (before skinny_linear took decode's few rows).
+    "skinny_linear": (skinny, "SKINNY_MAX_ROWS", 0),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {
@@ -58,12 +90,15 @@ UPGRADES: dict[str, tuple] = {
     "fp8_scale_tiles": (fm, "SCALE_TILES_MIN_ROWS", 16),
     # Routers with expert groups (V3) select in the kernel too (the model: torch ops).
     "grouped_selection": (moe_routing, "GROUPED_IN_KERNEL", True),
+    # skinny_linear's 64-row plan up to 256 rows (the model: cuBLAS above 64 rows).
+    "skinny_256": (skinny, "SKINNY_MAX_ROWS", 256),
 }
 VARIANTS: dict[str, frozenset[str]] = {
     "v1": frozenset(PATCHES),
     "v2": frozenset(),
     **{f"v2-{name}": frozenset({name}) for name in PATCHES},
     **{f"v2+{name}": frozenset({name}) for name in UPGRADES},
+    "v2-fusions": frozenset({"add_norm", "latent_cache"}),
 }
 
 

@@ -35,6 +35,28 @@ def rope_ref(
 
 
 @triton.jit
+def pair_columns(offs_i, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Columns of the pairs i: (2i, 2i+1) interleaved, else (i, i + dim/2)."""
+    if INTERLEAVE:
+        return 2 * offs_i, 2 * offs_i + 1
+    return offs_i, offs_i + HALF
+
+
+@triton.jit
+def rotate_pairs(a, b, cos, sin):
+    """Pairs (a, b) in x's dtype, cos/sin fp32 → (a·cos − b·sin, b·cos + a·sin) in x's dtype,
+    each product and the sum rounded to it as torch does op by op. Shared by every kernel
+    that rotates, so they all round alike."""
+    dtype = a.dtype
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    a_cos = (a * cos).to(dtype)
+    b_sin = (b * sin).to(dtype)
+    b_cos = (b * cos).to(dtype)
+    a_sin = (a * sin).to(dtype)
+    return (a_cos - b_sin).to(dtype), (b_cos + a_sin).to(dtype)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, M,
     stride_xt, stride_xm, stride_ct, stride_ot, stride_om,
@@ -46,22 +68,15 @@ def _rope_kernel(
     offs_i = tl.arange(0, BLOCK_HALF)
     mask = (offs_m[:, None] < M) & (offs_i[None, :] < HALF)
     row = x_ptr + t * stride_xt + offs_m[:, None] * stride_xm
-    if INTERLEAVE:
-        first, second = row + 2 * offs_i[None, :], row + 2 * offs_i[None, :] + 1
-    else:
-        first, second = row + offs_i[None, :], row + HALF + offs_i[None, :]
-    a = tl.load(first, mask=mask, other=0.0)
-    b = tl.load(second, mask=mask, other=0.0)
-    dtype = a.dtype
-    cos = tl.load(cos_ptr + t * stride_ct + offs_i, mask=offs_i < HALF, other=0.0).to(dtype)
-    sin = tl.load(sin_ptr + t * stride_ct + offs_i, mask=offs_i < HALF, other=0.0).to(dtype)
-    a_cos = (a * cos[None, :]).to(dtype)
-    b_sin = (b * sin[None, :]).to(dtype)
-    b_cos = (b * cos[None, :]).to(dtype)
-    a_sin = (a * sin[None, :]).to(dtype)
+    first, second = pair_columns(offs_i, HALF, INTERLEAVE)
+    a = tl.load(row + first[None, :], mask=mask, other=0.0)
+    b = tl.load(row + second[None, :], mask=mask, other=0.0)
+    cos = tl.load(cos_ptr + t * stride_ct + offs_i, mask=offs_i < HALF, other=0.0)
+    sin = tl.load(sin_ptr + t * stride_ct + offs_i, mask=offs_i < HALF, other=0.0)
+    rotated_a, rotated_b = rotate_pairs(a, b, cos[None, :], sin[None, :])
     out = out_ptr + t * stride_ot + offs_m[:, None] * stride_om + offs_i[None, :]
-    tl.store(out, (a_cos - b_sin).to(dtype), mask=mask)
-    tl.store(out + HALF, (b_cos + a_sin).to(dtype), mask=mask)
+    tl.store(out, rotated_a, mask=mask)
+    tl.store(out + HALF, rotated_b, mask=mask)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

@@ -26,6 +26,7 @@ from inference_svc.layers.quant import QuantMethod, UnquantizedMethod
 from inference_svc.layers.rope import RotaryEmbedding
 from inference_svc.lora.apply import add_kv_b_absorbed_o, add_kv_b_absorbed_q
 from inference_svc.model.config import ModelConfig
+from kernels.latent_cache import write_latent_cache, write_latent_cache_ref
 from kernels.mla_attention import mla_decode, mla_decode_ref
 from kernels.mla_prefill import mla_prefill_varlen, mla_prefill_varlen_ref
 
@@ -90,39 +91,43 @@ class MLAAttention(nn.Module):
             q = self.q_b(self.q_a_norm(q_a), lora)
         q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, n], [T, H, R]
-        latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_norm(latent)  # [T, C]
         cos, sin = cos_sin
-        q_rope = rope(q_rope, cos, sin)
-        k_rope = rope(k_rope, cos, sin)  # [T, R]
-        flat_pool = kv_pool.view(-1, kv_pool.shape[-1])
-        flat_pool[batch.slot_mapping] = torch.cat([latent, k_rope], dim=-1).to(kv_pool.dtype)
+        q_rope = rope(q_rope, cos, sin)  # [T, H, R]
+        # kv_a_norm of the latent, RoPE of k_rope and the scatter into the cache: one launch.
+        write = write_latent_cache if x.is_cuda else write_latent_cache_ref
+        write(
+            kv_a, self.kv_a_norm.weight, self.kv_a_norm.eps, cos, sin, rope.interleave,
+            kv_pool.view(-1, kv_pool.shape[-1]), batch.slot_mapping,
+        )  # fmt: skip
 
         out = x.new_empty((tokens, self.num_heads, self.v_dim))  # [T, H, v]
         decodes = batch.num_decode_tokens
         if decodes:
-            out[:decodes] = self._decode(q_nope[:decodes], q_rope[:decodes], batch, kv_pool)
+            self._decode(q_nope[:decodes], q_rope[:decodes], batch, kv_pool, out[:decodes])
         if decodes < tokens:
             self._prefill(q_nope, q_rope, batch, kv_pool, out)
         return self.o(out.view(tokens, self.num_heads * self.v_dim), lora)
 
-    def _decode(self, q_nope, q_rope, batch: BatchMetadata, kv_pool) -> torch.Tensor:
-        """Absorbed attention of the D decode tokens: [D, H, n], [D, H, R] → [D, H, v]."""
+    def _decode(self, q_nope, q_rope, batch: BatchMetadata, kv_pool, out: torch.Tensor) -> None:
+        """Absorbed attention of the D decode tokens: [D, H, n], [D, H, R] → out [D, H, v].
+
+        The batched matmuls write [D, H, ·] through transposed views and the attention
+        kernel takes strided queries, so no copy launches sit between them.
+        """
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, C]
+        q_lat = q_nope.new_empty((q_nope.shape[0], self.num_heads, self.kv_lora_rank))
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))  # [D, H, C]
         lora = batch.lora.decode_tokens if batch.lora is not None else None
         if lora is not None and self.kv_b.lora is not None:
             add_kv_b_absorbed_q(q_nope, q_lat, self.kv_b.lora, lora)
         n = batch.num_decode_seqs
         attend = mla_decode if q_nope.is_cuda else mla_decode_ref
         o_lat = attend(
-            q_lat.contiguous(), q_rope.contiguous(), kv_pool,
-            batch.page_table[:n], batch.context_lens[:n], self.scale,
-        )  # [D, H, C]  # fmt: skip
-        out = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [D, H, v]
+            q_lat, q_rope, kv_pool, batch.page_table[:n], batch.context_lens[:n], self.scale
+        )  # [D, H, C]
+        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
         if lora is not None and self.kv_b.lora is not None:
             add_kv_b_absorbed_o(o_lat, out, self.kv_b.lora, lora)
-        return out
 
     def _prefill(self, q_nope, q_rope, batch: BatchMetadata, kv_pool, out: torch.Tensor) -> None:
         """Causal attention of the prefill sequences against their whole cached context;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -23,3 +23,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = rms_norm if x.is_cuda else rms_norm_ref
         return norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+    def add_then_norm(
+        self, residual: torch.Tensor, addends: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Semantics: h = residual + Σ addends (rounded as torch adds them one by one),
+        y = norm(h); no addends: h = residual. residual, addends [T, D] → h, y [T, D].
+
+        On CUDA the adds ride in the norm's launch (two or three launches fewer per layer).
+        """
+        if not addends:
+            return residual, self(residual)
+        fused = add_rms_norm if residual.is_cuda else add_rms_norm_ref
+        return fused(residual, addends, self.weight, self.eps)

@@ -47,16 +47,21 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, quant, dtype, device)
 
-    def forward(self, h, batch, rope, cos_sin, kv_pool) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), batch, rope, cos_sin, kv_pool)
-        x = self.post_attn_norm(h)
+    def forward(
+        self, h: torch.Tensor, pending: tuple[torch.Tensor, ...], batch, rope, cos_sin, kv_pool
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """h [T, hidden] the residual stream, `pending` the previous layer's outputs not yet
+        added to it → (h, this layer's FFN outputs). Each residual add rides in the next
+        norm's launch (`RMSNorm.add_then_norm`), the FFN's in the next layer's."""
+        h, x = self.input_norm.add_then_norm(h, pending)
+        h, x = self.post_attn_norm.add_then_norm(h, (self.attn(x, batch, rope, cos_sin, kv_pool),))
         lora = batch.lora.tokens if batch.lora is not None else None
         if self.moe is None:
-            return h + self.mlp(x, lora)
-        ffn = self.moe(x, lora)
-        if self.mlp is not None:
-            ffn = ffn + self.mlp(x, lora)
-        return h + ffn
+            return h, (self.mlp(x, lora),)
+        routed = self.moe(x, lora)
+        if self.mlp is None:
+            return h, (routed,)
+        return h, (routed, self.mlp(x, lora))
 
 
 class DeepseekV3Model(nn.Module):
@@ -97,10 +102,11 @@ class DeepseekV3Model(nn.Module):
     ) -> torch.Tensor:
         """input_ids [T] → final hidden states [T, hidden]; writes the step's KV rows."""
         h = self.embed(input_ids)
+        pending: tuple[torch.Tensor, ...] = ()
         cos_sin = self.rope.cos_sin(batch.positions)
         for i, layer in enumerate(self.layers):
-            h = layer(h, batch, self.rope, cos_sin, kv_cache.layer(i))
-        return self.norm(h)
+            h, pending = layer(h, pending, batch, self.rope, cos_sin, kv_cache.layer(i))
+        return self.norm.add_then_norm(h, pending)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

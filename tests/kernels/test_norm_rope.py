@@ -1,11 +1,13 @@
-"""One-launch RMSNorm and RoPE kernels against the torch forms the model used before."""
+"""One-launch RMSNorm and RoPE kernels, and the launches that fuse them with their
+neighbours (residual adds; the latent cache write), against the forms the model used before."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.latent_cache import write_latent_cache, write_latent_cache_ref
+from kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rope import rope, rope_ref
 from tests.fixtures.triton_interpret import kernel_device
 
@@ -59,3 +61,94 @@ def test_rope_matches_ref_bitwise(dtype, interleave, shape):
         torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)
     else:
         assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("addends", [1, 2])
+@pytest.mark.parametrize("rows,dim", [(5, 64), (3, 48), (1, 2048), (0, 8)])
+def test_add_rms_norm_equals_the_adds_then_the_norm(dtype, addends, rows, dim):
+    """The fused launch gives the torch adds' sum bit for bit and the one-launch norm of it;
+    against the fp32-reduction reference within one rounding step."""
+    g = torch.Generator().manual_seed(rows * dim + addends)
+    residual, *parts = [
+        (torch.randn(rows, dim, generator=g) * 3).to(dtype).to(DEVICE) for _ in range(1 + addends)
+    ]
+    weight = (torch.rand(dim, generator=g) + 0.5).to(dtype).to(DEVICE)
+    h, y = add_rms_norm(residual, tuple(parts), weight, 1e-6)
+    total = parts[0] if addends == 1 else parts[0] + parts[1]
+    unfused_h = residual + total
+    assert torch.equal(h, unfused_h)
+    if DEVICE == "cuda":  # the two kernels' reductions may be scheduled apart: one rounding
+        torch.testing.assert_close(y, rms_norm(unfused_h, weight, 1e-6), atol=0, rtol=8e-3)
+    else:
+        assert torch.equal(y, rms_norm(unfused_h, weight, 1e-6))
+    ref_h, ref_y = add_rms_norm_ref(residual.cpu(), tuple(p.cpu() for p in parts),
+                                    weight.cpu(), 1e-6)  # fmt: skip
+    assert torch.equal(h.cpu(), ref_h)
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(y.cpu().float(), ref_y.float(), atol=tol, rtol=tol)
+
+
+def test_add_rms_norm_refuses_mismatched_inputs():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="share shape and dtype"):
+        add_rms_norm(x, (torch.zeros(2, 4),), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="one or two addends"):
+        add_rms_norm(x, (x, x, x), torch.ones(8), 1e-6)
+
+
+def _latent_case(dtype, tokens, latent_dim, rope_dim, seed):
+    """kv_a as a strided view inside a wider qkv_a output, a cache of random rows, and
+    distinct slots for the tokens."""
+    g = torch.Generator().manual_seed(seed)
+    qkv_a = (torch.randn(tokens, 40 + latent_dim + rope_dim, generator=g) * 2).to(dtype)
+    kv_a = qkv_a[:, 40:]
+    weight = (torch.rand(latent_dim, generator=g) + 0.5).to(dtype)
+    angles = torch.rand(tokens, rope_dim // 2, generator=g) * 50
+    cache = torch.randn(3 * tokens + 5, latent_dim + rope_dim, generator=g).to(dtype)
+    slots = torch.randperm(cache.shape[0], generator=g)[:tokens]
+    return kv_a, weight, angles.cos() * 1.1, angles.sin() * 1.1, cache, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("tokens,latent_dim,rope_dim", [(7, 64, 16), (3, 48, 8), (2, 512, 64),
+                                                        (0, 16, 4)])  # fmt: skip
+def test_write_latent_cache_equals_norm_rope_and_scatter(
+    dtype, interleave, tokens, latent_dim, rope_dim
+):
+    """The fused write equals the one-launch norm and rope kernels scattered by index (bit
+    for bit under the interpreter) and the torch forms within their rounding; rows no token
+    maps to are untouched."""
+    kv_a, weight, cos, sin, cache, slots = _latent_case(dtype, tokens, latent_dim, rope_dim,
+                                                        seed=tokens + latent_dim)  # fmt: skip
+    args = [t.to(DEVICE) for t in (kv_a, weight)] + [1e-6, cos.to(DEVICE), sin.to(DEVICE)]
+    ours = cache.to(DEVICE)
+    write_latent_cache(*args, interleave, ours, slots.to(DEVICE))
+    ours = ours.cpu()
+
+    kernels = cache.clone()
+    if tokens:
+        latent = rms_norm(args[0][:, :latent_dim], args[1], 1e-6)
+        k_rope = rope(args[0][:, latent_dim:], args[3], args[4], interleave)
+        kernels[slots] = torch.cat([latent, k_rope], -1).cpu()
+    ref = cache.clone()
+    write_latent_cache_ref(kv_a, weight, 1e-6, cos, sin, interleave, ref, slots)
+
+    untouched = torch.ones(cache.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(ours[untouched], cache[untouched])
+    if DEVICE == "cuda":  # reductions and FMA contraction may differ between kernels
+        torch.testing.assert_close(ours, kernels, atol=0, rtol=8e-3)
+    else:
+        assert torch.equal(ours, kernels)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_write_latent_cache_refuses_mismatched_widths():
+    kv_a, weight, cos, sin, cache, slots = _latent_case(torch.float32, 3, 16, 4, seed=1)
+    with pytest.raises(ValueError, match="C \\+ R"):
+        write_latent_cache(kv_a, weight, 1e-6, cos, sin, True, cache[:, :-2], slots)
+    with pytest.raises(ValueError, match="one row per token"):
+        write_latent_cache(kv_a, weight, 1e-6, cos, sin, True, cache, slots[:2])
