@@ -76,6 +76,8 @@ PATCHES = {
     "fp8_rows": (fm, "FP8_HALF_ROWS_MAX_PAIRS", 0),
     # The router's selection as torch ops (before the one-launch selection kernel).
     "routing": (moe_layer, "select_experts", moe_routing.select_experts_ref),
+    # Routers with expert groups (V3) on the torch ops (before the kernel's group limit).
+    "grouped_selection": (moe_routing, "GROUPED_IN_KERNEL", False),
     # Residual adds as their own launches (before they rode in the next norm's).
     "add_norm": (norm_layer, "add_rms_norm", add_rms_norm_unfused),
     # kv_a_norm, k RoPE, concatenation and scatter as four launches (before one).
@@ -88,8 +90,6 @@ UPGRADES: dict[str, tuple] = {
     # FP8 experts scale the weight tile and chain the MMA at decode row tiles too (the
     # model does so from SCALE_TILES_MIN_ROWS rows: prefill tiles).
     "fp8_scale_tiles": (fm, "SCALE_TILES_MIN_ROWS", 16),
-    # Routers with expert groups (V3) select in the kernel too (the model: torch ops).
-    "grouped_selection": (moe_routing, "GROUPED_IN_KERNEL", True),
     # skinny_linear's 64-row plan up to 256 rows (the model: cuBLAS above 64 rows).
     "skinny_256": (skinny, "SKINNY_MAX_ROWS", 256),
 }

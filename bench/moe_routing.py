@@ -3,10 +3,9 @@
 Times `select_experts_ref` (the reference's torch ops, run on the GPU) against
 `select_experts` for the routers of DeepSeek-V2-Lite (greedy softmax, 64 experts, top-6),
 Kimi-K2 (noaux_tc sigmoid, 384 experts, top-8) and DeepSeek-V3 (noaux_tc, 256 experts in 8
-groups, top-8: the kernel's group limit, which the model uses only once it measures faster,
-`moe_routing.GROUPED_IN_KERNEL`), at decode and prefill token counts. Both run as CUDA-graph
-replays, as a decode step does, so the figures are GPU time (kernels and the gaps between
-them) without the host's launch cost. Each row checks that both pick the same experts.
+groups, top-8: the kernel's group limit), at decode and prefill token counts. Both run as
+CUDA-graph replays, as a decode step does, so the figures are GPU time (kernels and the
+gaps between them) without the host's launch cost. Each row checks that both pick the same experts.
 
     python3 -m bench.moe_routing --out bench/results/moe_routing.json
     python -m bench.moe_routing --out /tmp/moe_routing.json --smoke   # CPU, interpreted

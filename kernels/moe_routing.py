@@ -3,13 +3,12 @@
 The router's torch ops launch one kernel each: softmax, top-k and a scale for V2's greedy
 routing; for `noaux_tc` sigmoid, the bias add, the top-k, a gather, a sum, a division and a
 scale. At decode each is a few microseconds of latency per MoE layer. `select_experts` does
-all of it in one program per block of tokens, a row of E scores in registers. The model uses
-it for routers without expert groups (DeepSeek-V2-Lite, Kimi-K2): 1.6-1.9× faster at decode
-sizes on the H100 (bench/moe_routing.py). Group-limited routing (DeepSeek-V2, V3) stays on
-the torch ops of `select_experts_ref` until the kernel's group limit is measured faster
-(`GROUPED_IN_KERNEL`): a first version that scored each group with its own reductions ran
-V3's selection at 82 µs against the torch ops' 57 µs (64 tokens); the present one scores all
-groups in one pass over a [T, G, E/G] view (power-of-two layouts), not yet measured.
+all of it in one program per block of tokens, a row of E scores in registers. On the H100
+(bench/moe_routing.py, CUDA-graph replays, 64 tokens): DeepSeek-V2-Lite 14.3 → 8.4 µs,
+Kimi-K2 26.2 → 15.6 µs, DeepSeek-V3 with its 8 groups 56.5 → 16.2 µs. The group limit
+scores all groups in one pass over a [T, G, E/G] view, so it needs power-of-two layouts
+(`groups_fit_kernel`); others keep the torch ops of `select_experts_ref`. (A first version
+that scored each group with its own reductions was slower than the torch ops for V3: 82 µs.)
 
 Methods (DeepSeek-V2/V3's `topk_method`):
     greedy:               softmax scores, the k best.
@@ -34,8 +33,8 @@ from kernels.host_math import cdiv, next_power_of_2
 
 METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 # Whether the model's routers with expert groups select in the kernel (bench.kernel_variants
-# upgrade "grouped_selection" until measured faster than the torch ops).
-GROUPED_IN_KERNEL = False
+# patch "grouped_selection" turns it off: the torch ops, for A/B runs).
+GROUPED_IN_KERNEL = True
 
 
 def groups_fit_kernel(num_experts: int, n_group: int) -> bool:

@@ -96,13 +96,14 @@ def test_bad_arguments_are_refused():
 
 
 def test_which_routers_the_model_sends_to_the_kernel(monkeypatch):
-    """Routers without groups always; grouped ones only once GROUPED_IN_KERNEL is set (the
-    bench upgrade "grouped_selection"), and only in power-of-two groups."""
+    """Routers without groups always; grouped ones while GROUPED_IN_KERNEL is set (the bench
+    patch "grouped_selection" clears it), and only in power-of-two groups."""
     assert kernel_selects("greedy", 64, 1) and kernel_selects("noaux_tc", 384, 1)
-    assert not kernel_selects("noaux_tc", 256, 8)
-    monkeypatch.setattr(moe_routing, "GROUPED_IN_KERNEL", True)
     assert kernel_selects("noaux_tc", 256, 8)
     assert not kernel_selects("group_limited_greedy", 160, 8)
+    monkeypatch.setattr(moe_routing, "GROUPED_IN_KERNEL", False)
+    assert not kernel_selects("noaux_tc", 256, 8)
+    assert kernel_selects("greedy", 64, 1)
 
 
 @pytest.mark.gpu
