@@ -25,7 +25,7 @@ from kernels import fused_moe as fm
 from kernels import moe_routing
 from kernels import skinny_linear as skinny
 from kernels.mla_attention import MLA_DECODE_CONFIGS, mla_decode
-from kernels.rms_norm import rms_norm_ref
+from kernels.rms_norm import RoutedPairs, rms_norm_ref
 from kernels.rope import rope_ref
 
 
@@ -35,18 +35,20 @@ def block_m_v1(num_pairs: int, num_experts: int) -> int:
 
 
 def add_rms_norm_unfused(residual, addends, weight, eps):
-    """The residual adds as torch launches, then the norm (before add_rms_norm). The norm
-    and rope here are the layers' module attributes, so "v1" still gets the torch forms."""
-    total = addends[0]
-    for addend in addends[1:]:
+    """The MoE combine and the residual adds as their own launches, then the norm (before
+    add_rms_norm). The norm and rope here are the layers' module attributes, so "v1" still
+    gets the torch forms."""
+    parts = [fm.moe_combine(*a) if isinstance(a, RoutedPairs) else a for a in addends]
+    total = parts[0]
+    for addend in parts[1:]:
         total = total + addend
     h = residual + total
     return h, norm_layer.rms_norm(h, weight, eps)
 
 
-def write_latent_cache_unfused(kv_a, norm_weight, eps, cos, sin, interleave, rows, slots):
-    """The one-launch norm and rope, a concatenation and an indexed copy (before
-    write_latent_cache)."""
+def write_latent_cache_unfused(kv_a, norm_weight, eps, cos, sin, interleave, rows, slots, q_rope):
+    """The norm and both rotations as their own launches, a concatenation and an indexed copy
+    (before write_latent_cache)."""
     latent, k_rope = kv_a.split([norm_weight.shape[0], kv_a.shape[-1] - norm_weight.shape[0]], -1)
     rows[slots] = torch.cat(
         [
@@ -55,6 +57,7 @@ def write_latent_cache_unfused(kv_a, norm_weight, eps, cos, sin, interleave, row
         ],
         -1,
     ).to(rows.dtype)
+    return rope_layer.rope(q_rope, cos, sin, interleave)
 
 
 # name → (module, attribute, v1 value)
@@ -78,9 +81,9 @@ PATCHES = {
     "routing": (moe_layer, "select_experts", moe_routing.select_experts_ref),
     # Routers with expert groups (V3) on the torch ops (before the kernel's group limit).
     "grouped_selection": (moe_routing, "GROUPED_IN_KERNEL", False),
-    # Residual adds as their own launches (before they rode in the next norm's).
+    # MoE combine and residual adds as their own launches (before they rode in the norm's).
     "add_norm": (norm_layer, "add_rms_norm", add_rms_norm_unfused),
-    # kv_a_norm, k RoPE, concatenation and scatter as four launches (before one).
+    # kv_a_norm, k and q RoPE, concatenation and scatter as five launches (before one).
     "latent_cache": (mla_layer, "write_latent_cache", write_latent_cache_unfused),
     # cuBLAS for every dense projection (before skinny_linear took decode's few rows).
     "skinny_linear": (skinny, "SKINNY_MAX_ROWS", 0),

@@ -1,11 +1,13 @@
 """Few-row linears of a decode step: cuBLAS (F.linear) vs `kernels.skinny_linear`.
 
 The dense projections of DeepSeek-V2-Lite with q_lora_rank 1536 (the serving benchmarks'
-model) and of DeepSeek-V3, at 1-256 rows, bf16. For each case the Triton plans of a small
-sweep (column tile, K tile, K splits) run beside cuBLAS, all as CUDA-graph replays (the
-kernels without the host's launch cost); weight GB/s = the weight's bytes ÷ time, against
-the measured copy bandwidth. The row's `best` is the fastest plan; `default` what
-`skinny_linear` takes without one.
+model) at 1-256 rows, bf16. For each case the Triton plans of a sweep (column tile, K tile,
+K splits, pipeline stages; those that fit in shared memory) run beside cuBLAS. Each timing
+is a CUDA graph of a chain of launches over distinct copies of the weight (more bytes than
+the L2 holds), as a decode step runs its projections back to back: per-launch time = chain
+time ÷ launches, the weight read from memory each time. Weight GB/s = the weight's bytes ÷
+per-launch time, against the measured copy bandwidth. The row's `best` is the fastest plan;
+`default` what `skinny_linear` takes without one.
 
     python3 -m bench.skinny_linear --out bench/results/skinny_linear.json
     python -m bench.skinny_linear --out /tmp/skinny_linear.json --smoke   # CPU, interpreted
@@ -42,44 +44,64 @@ SHAPES = {
     "v2l_o": (2048, 16 * 128),
     "v2l_shared_gate_up": (2 * 2816, 2048),
     "v2l_shared_down": (2048, 2816),
-    "v3_qkv_a": (1536 + 576, 7168),
-    "v3_o": (7168, 128 * 128),
-    "v3_shared_down": (7168, 2048),
 }
-ROWS = (1, 16, 64, 128, 256)
+ROWS = (1, 64, 256)
+L2_BYTES = 50 * 1024**2
+SHARED_MEMORY_BYTES = 200 * 1024
 
 
 def plans(rows: int) -> list[SkinnyTiles]:
-    block_m = 16 if rows <= 16 else 64
+    """The sweep: plans whose pipelined tiles fit in shared memory."""
+    if rows <= 16:
+        grid = itertools.product((16,), (16, 32, 64), (128, 256), (1, 2, 4), (4,))
+    else:
+        grid = itertools.product((64,), (32, 64, 128), (64, 128), (2, 4, 8), (3, 5))
     return [
-        SkinnyTiles(block_m, block_n, block_k, split)
-        for block_n, block_k, split in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8))
+        SkinnyTiles(block_m, block_n, block_k, split, num_stages=stages)
+        for block_m, block_n, block_k, split, stages in grid
+        if stages * (block_m + block_n) * block_k * 2 <= SHARED_MEMORY_BYTES
     ]
+
+
+def chained(fn, weights: list[torch.Tensor]):
+    """One call = `fn(w)` for each weight copy in turn."""
+
+    def chain():
+        for w in weights:
+            fn(w)
+
+    return chain
 
 
 def run(shapes: dict[str, tuple[int, int]], rows_list, device, bandwidth, sweep: int) -> list[dict]:
     """One row per (shape, rows); `sweep` plans of `plans(rows)` beside the default."""
     out = []
+    cuda = device.type == "cuda"
     for (name, (n, k)), rows in itertools.product(shapes.items(), rows_list):
-        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16 if device.type == "cuda"
-                        else torch.float32)  # fmt: skip
-        w = torch.randn(n, k, device=device, dtype=x.dtype) / k**0.5
+        dtype = torch.bfloat16 if cuda else torch.float32
+        x = torch.randn(rows, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+        weight_bytes = n * k * x.element_size()
+        copies = [w] + [
+            w.clone() for _ in range(min(31, 3 * L2_BYTES // weight_bytes) if cuda else 0)
+        ]
         ref = skinny_linear_ref(x.float(), w.float())
-        timed = {"cublas": functools.partial(skinny_linear_ref, x, w)}
+        ways = {"cublas": functools.partial(lambda w, x: skinny_linear_ref(x, w), x=x)}
         candidates = [default_skinny_tiles(rows), *plans(rows)[:sweep]]
         for tiles in candidates:
-            timed[str(tiles)] = functools.partial(skinny_linear, x, w, tiles)
-        errors = {
-            key: float((call().float() - ref).abs().max()) for key, call in timed.items()
-        }  # fmt: skip
-        if device.type == "cuda":
+            ways[str(tiles)] = functools.partial(
+                lambda w, x, t: skinny_linear(x, w, t), x=x, t=tiles
+            )
+        errors = {key: float((call(w).float() - ref).abs().max()) for key, call in ways.items()}
+        timed = {key: chained(call, copies) for key, call in ways.items()}
+        if cuda:
             timed = {key: graphed(call) for key, call in timed.items()}
-        ms = {key: time_ms(call, device) for key, call in timed.items()}
-        weight_bytes = n * k * x.element_size()
+        ms = {key: time_ms(call, device) / len(copies) for key, call in timed.items()}
         default_key = str(candidates[0])
         best_key = min((key for key in ms if key != "cublas"), key=ms.get)
         row = {
             "shape": name, "n": n, "k": k, "rows": rows, "weight_bytes": weight_bytes,
+            "chained_launches": len(copies),
             "cublas_ms": ms["cublas"], "default_ms": ms[default_key], "best_ms": ms[best_key],
             "best": best_key, "default": default_key, "max_abs_error": max(errors.values()),
             "cublas_weight_GBps": weight_bytes / ms["cublas"] / 1e6,
@@ -102,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     smoke = device.type == "cpu"
     shapes = {"tiny": (40, 64)} if smoke else SHAPES
     bandwidth = copy_bandwidth(device)
-    rows = run(shapes, (1, 5) if smoke else ROWS, device, bandwidth, 2 if smoke else 24)
+    rows = run(shapes, (1, 5) if smoke else ROWS, device, bandwidth, 2 if smoke else 10**6)
     meta = run_meta("skinny_linear", device, started, copy_bandwidth_GBps=bandwidth / 1e9)
     write_json(out, meta, rows)
     at_64 = [r for r in rows if r["rows"] == (5 if smoke else 64)]

@@ -8,6 +8,8 @@ decode step reads 1 byte per weight instead of 2.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -108,6 +110,17 @@ def _round_to_e4m3(y):
     return tl.where(tl.abs(y) < _E4M3_MIN_NORMAL, subnormal, normal)
 
 
+@triton.jit
+def quantize_row_groups(x, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr):
+    """x [rows, GROUP] float32 (masked lanes 0) → (x / scale on the e4m3 grid, still float32;
+    scale [rows] = amax / QMAX). Shared by every kernel that quantizes activations, so they
+    all round alike."""
+    # Correctly rounded divisions, as the torch reference (Triton's `/` is div.full.f32).
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), QMAX)
+    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -QMAX, QMAX)
+    return _round_to_e4m3(y), scale
+
+
 # Per-step row counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
 @triton.jit(do_not_specialize=["M"])
 def _group_quant_fp8_kernel(
@@ -120,21 +133,32 @@ def _group_quant_fp8_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     rows64 = rows.to(tl.int64)
     x = tl.load(a_ptr + rows64[:, None] * stride_am + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    # Correctly rounded divisions, as the torch reference (Triton's `/` is div.full.f32).
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), QMAX)  # [BLOCK_M]
-    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -QMAX, QMAX)
-    q = _round_to_e4m3(y).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    q, scale = quantize_row_groups(x.to(tl.float32), MIN_AMAX, QMAX)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
     tl.store(s_ptr + rows64 * stride_sm + tl.program_id(1), scale, mask=rows < M)
+
+
+class QuantizedRows(NamedTuple):
+    """Activations already quantized per row and K-group (`group_quant_fp8`'s result) for a
+    GEMM that takes them so: q [M, K] e4m3, scale [M, ceil(K/group)] float32, and `dtype`
+    the activations had (the GEMM's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def check_activation_group(group: int) -> None:
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"activation group {group} must be a power of two ≥ 16")
 
 
 def group_quant_fp8(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `group_quant_fp8_ref` (same arguments and result, bit for bit)."""
     if a.dim() != 2 or a.stride(-1) != 1:
         raise ValueError(f"activations {tuple(a.shape)} must be [M, K] with unit stride in K")
-    if group < 16 or group & (group - 1):
-        raise ValueError(f"activation group {group} must be a power of two ≥ 16")
+    check_activation_group(group)
     m, k = a.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=a.device)
     scale = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=a.device)

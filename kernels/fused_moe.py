@@ -22,10 +22,16 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import (
+    ACT_SCALE_MIN_AMAX,
+    FP8_DTYPE,
+    FP8_MAX,
+    QuantizedRows,
     block_dequant_ref,
+    check_activation_group,
     group_dequant_fp8_ref,
     group_quant_fp8,
     group_quant_fp8_ref,
+    quantize_row_groups,
 )
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.int_quant import (
@@ -603,7 +609,7 @@ def default_tiles(block_m: int, scheme: str) -> GemmTiles:
 
 
 def grouped_gemm(
-    a: torch.Tensor,
+    a: torch.Tensor | QuantizedRows,
     w: torch.Tensor,
     align: MoEAlignment,
     rows_per_a: int,
@@ -616,7 +622,8 @@ def grouped_gemm(
     """Triton version of `grouped_gemm_ref` (same arguments and result).
 
     "w8a8" quantizes `a` per row with `per_token_quant_int8` first (one extra launch),
-    "block_a8" per row and K-group of bk with `group_quant_fp8` (one extra launch).
+    "block_a8" per row and K-group of bk with `group_quant_fp8` (one extra launch) unless
+    `a` comes quantized so already (QuantizedRows, e.g. from `silu_mul_quant_fp8`).
     "block" (FP8) row tiles of SCALE_TILES_MIN_ROWS and more round each dequantized weight
     tile to a's dtype before its MMA (the reference keeps the scaled weight in float32).
     tiles: None picks `default_tiles(align.block_m, scheme)`; a scale block along K must be
@@ -625,6 +632,12 @@ def grouped_gemm(
     scheme = weight_scheme(scheme, w_scale)
     tiles = tiles or default_tiles(align.block_m, scheme)
     num_experts, n, stored_k = w.shape
+    prequantized = isinstance(a, QuantizedRows)
+    if prequantized and scheme != "block_a8":
+        raise ValueError(f"quantized activations are block_a8's input, not {scheme!r}'s")
+    out_dtype = a.dtype
+    if prequantized:
+        a, a_scale, out_dtype = a
     k = a.shape[-1]
     if stored_k != _stored_k(k, scheme) or a.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError(f"a {tuple(a.shape)} / w {tuple(w.shape)}: K mismatch or strided K")
@@ -641,12 +654,13 @@ def grouped_gemm(
             raise ValueError(f"scale block {bk} along K must be a multiple of {block_k}")
     else:
         block_k = tiles.block_k
-    out = torch.empty((align.num_pairs, n), dtype=a.dtype, device=a.device)
-    a_scale = w  # unused pointer unless w8a8 / block_a8
+    out = torch.empty((align.num_pairs, n), dtype=out_dtype, device=a.device)
     if scheme == "w8a8":
         a, a_scale = per_token_quant_int8(a)
-    elif scheme == "block_a8":
+    elif scheme == "block_a8" and not prequantized:
         a, a_scale = group_quant_fp8(a, bk)
+    elif not prequantized:
+        a_scale = w  # unused pointer
     scale = w_scale if w_scale is not None else w  # unused pointer for "float"
     block_n = tiles.block_n
     grid = (align.block_expert_ids.numel(), cdiv(n, block_n))
@@ -691,13 +705,21 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def silu_times(g, u):
+    """silu(g) · u in float32 from the stored gate and up values (shared by the kernels
+    that apply the activation, so they all round alike)."""
+    g = g.to(tl.float32)
+    return g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    out = g / (1.0 + tl.exp(-g)) * u
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
+    out = silu_times(g, u)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -715,6 +737,51 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def silu_mul_quant_fp8_ref(gate_up: torch.Tensor, group: int) -> QuantizedRows:
+    """Semantics: group_quant_fp8_ref(silu_mul_ref(gate_up), group): the activation rounded
+    to gate_up's dtype, then quantized per row and K-group (a block_a8 GEMM's input)."""
+    return QuantizedRows(*group_quant_fp8_ref(silu_mul_ref(gate_up), group), gate_up.dtype)
+
+
+# Per-step row counts unspecialised, as the quantizer's.
+@triton.jit(do_not_specialize=["M"])
+def _silu_mul_quant_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, M, inter, stride_x, stride_q, stride_s,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr,
+):  # fmt: skip
+    # One program per (BLOCK_M rows, one K-group of the activation).
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    mask = (rows[:, None] < M) & (cols[None, :] < inter)
+    gate = x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
+    g = tl.load(gate, mask=mask, other=0.0)
+    u = tl.load(gate + inter, mask=mask, other=0.0)
+    act = silu_times(g, u).to(x_ptr.dtype.element_ty).to(tl.float32)
+    q, scale = quantize_row_groups(act, MIN_AMAX, QMAX)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
+             q.to(q_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(s_ptr + rows.to(tl.int64) * stride_s + tl.program_id(1), scale, mask=rows < M)
+
+
+def silu_mul_quant_fp8(gate_up: torch.Tensor, group: int) -> QuantizedRows:
+    """Triton version of `silu_mul_quant_fp8_ref` (bit for bit): one launch instead of
+    `silu_mul` then `group_quant_fp8`, and the bf16 activation never stored."""
+    rows, width = gate_up.shape
+    if width % 2 or gate_up.stride(-1) != 1:
+        raise ValueError(f"gate_up {tuple(gate_up.shape)} must be [R, 2I], unit-stride")
+    check_activation_group(group)
+    inter = width // 2
+    q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty((rows, cdiv(inter, group)), dtype=torch.float32, device=gate_up.device)
+    if rows:
+        block_m = 16 if group <= 128 else 4
+        _silu_mul_quant_fp8_kernel[(cdiv(rows, block_m), cdiv(inter, group))](
+            gate_up, q, scale, rows, inter, gate_up.stride(0), q.stride(0), scale.stride(0),
+            GROUP=group, BLOCK_M=block_m, MIN_AMAX=ACT_SCALE_MIN_AMAX, QMAX=FP8_MAX,
+        )  # fmt: skip
+    return QuantizedRows(q, scale, gate_up.dtype)
+
+
 def moe_combine_ref(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """Semantics: out[t] = Σ_j topk_weights[t, j] · pair_out[t·k + j] (float32 sum).
 
@@ -722,8 +789,22 @@ def moe_combine_ref(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch
         pair_out: [T·k, H]; topk_weights: [T, k] float32. Returns [T, H] in pair_out's dtype.
     """
     tokens, k = topk_weights.shape
-    weighted = pair_out.float().view(tokens, k, -1) * topk_weights.float()[:, :, None]
+    weighted = (
+        pair_out.float().view(tokens, k, pair_out.shape[-1]) * topk_weights.float()[:, :, None]
+    )
     return weighted.sum(dim=1).to(pair_out.dtype)
+
+
+@triton.jit
+def weighted_pair_sum(y_ptr, w_ptr, token, cols, mask, stride_y, TOPK: tl.constexpr):
+    """Σ_j w[token, j] · y[token·k + j, cols] in float32, j in order: the combine's sum,
+    shared by every kernel that combines so they all round alike."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for j in range(TOPK):
+        weight = tl.load(w_ptr + token * TOPK + j)
+        y = tl.load(y_ptr + (token * TOPK + j) * stride_y + cols, mask=mask, other=0.0)
+        acc += weight * y.to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -733,11 +814,7 @@ def _moe_combine_kernel(
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in range(TOPK):
-        weight = tl.load(w_ptr + token * TOPK + j)
-        y = tl.load(y_ptr + (token * TOPK + j) * stride_y + cols, mask=mask, other=0.0)
-        acc += weight * y.to(tl.float32)
+    acc = weighted_pair_sum(y_ptr, w_ptr, token, cols, mask, stride_y, TOPK)
     tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -1,5 +1,6 @@
 """RMSNorm in one launch (the torch form is 8 elementwise/reduction kernels on a GPU), and
-the residual add that precedes it fused into the same launch.
+the residual adds that precede it (with the MoE's weighted combine) fused into the same
+launch.
 
 Rounding follows the reference exactly: normalise in float32, round to the input dtype,
 then multiply by the weight (one product, rounded once), as transformers does. The fused
@@ -8,10 +9,13 @@ add rounds each sum to the dtype, as torch's elementwise adds do one by one.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels.fused_moe import moe_combine_ref, weighted_pair_sum
 from kernels.host_math import next_power_of_2
 
 
@@ -26,18 +30,32 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * x32.to(x.dtype)
 
 
+class RoutedPairs(NamedTuple):
+    """The routed experts' output before its weighted combine: pair_out [T·k, D] (pair
+    p = t·k + j) and topk_weights [T, k] float32. As an addend it stands for
+    `moe_combine(pair_out, topk_weights)`, summed by the same jitted function."""
+
+    pair_out: torch.Tensor
+    topk_weights: torch.Tensor
+
+
 def add_rms_norm_ref(
-    residual: torch.Tensor, addends: tuple[torch.Tensor, ...], weight: torch.Tensor, eps: float
+    residual: torch.Tensor,
+    addends: tuple[torch.Tensor | RoutedPairs, ...],
+    weight: torch.Tensor,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: h = residual + (a₀ + a₁ + …) (each sum rounded); y = rms_norm(h).
 
     The decoder's `h + attn_out` / `h + (moe_out + shared_out)` before the next norm.
     Args:
-        residual, addends: [T, D] of one dtype (one or two addends); weight [D].
+        residual: [T, D]; addends: one or two [T, D] of its dtype, the first may be a
+        RoutedPairs (the MoE output not yet combined); weight [D].
         Returns h [T, D] and y [T, D].
     """
-    total = addends[0]
-    for addend in addends[1:]:
+    parts = [moe_combine_ref(*a) if isinstance(a, RoutedPairs) else a for a in addends]
+    total = parts[0]
+    for addend in parts[1:]:
         total = total + addend
     h = residual + total
     return h, rms_norm_ref(h, weight, eps)
@@ -69,18 +87,27 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _add_rms_norm_kernel(
-    res_ptr, a_ptr, b_ptr, w_ptr, h_ptr, y_ptr, D,
-    stride_res, stride_a, stride_b, stride_h, stride_y, eps,
-    TWO_ADDENDS: tl.constexpr, BLOCK_D: tl.constexpr,
+    res_ptr, a_ptr, b_ptr, pairs_ptr, pair_w_ptr, w_ptr, h_ptr, y_ptr, D,
+    stride_res, stride_a, stride_b, stride_pairs, stride_h, stride_y, eps,
+    TOPK: tl.constexpr, TENSOR_ADDENDS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    # The first addend is the routed pairs' combine (TOPK > 0, as moe_combine sums it) or
+    # a; then b (or a after the pairs) when there are two.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     dtype = h_ptr.dtype.element_ty
-    total = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0)
-    if TWO_ADDENDS:
-        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
-        total = (total.to(tl.float32) + b.to(tl.float32)).to(dtype)
+    if TOPK > 0:
+        acc = weighted_pair_sum(pairs_ptr, pair_w_ptr, row, cols, mask, stride_pairs, TOPK)
+        total = acc.to(dtype)
+        if TENSOR_ADDENDS == 1:
+            a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0)
+            total = (total.to(tl.float32) + a.to(tl.float32)).to(dtype)
+    else:
+        total = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0)
+        if TENSOR_ADDENDS == 2:
+            b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
+            total = (total.to(tl.float32) + b.to(tl.float32)).to(dtype)
     res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
     h = (res.to(tl.float32) + total.to(tl.float32)).to(dtype)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
@@ -109,31 +136,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    residual: torch.Tensor, addends: tuple[torch.Tensor, ...], weight: torch.Tensor, eps: float
+    residual: torch.Tensor,
+    addends: tuple[torch.Tensor | RoutedPairs, ...],
+    weight: torch.Tensor,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `add_rms_norm_ref`: the adds and the norm in one launch (the torch
-    form is one launch per add plus the norm's), one program per row."""
+    """Triton version of `add_rms_norm_ref`: the combine, the adds and the norm in one launch
+    (the torch form is one launch per add plus the norm's and the combine's), one program
+    per row."""
     rows, dim = residual.shape
-    tensors = (residual, *addends)
-    if not 1 <= len(addends) <= 2:
-        raise ValueError(f"one or two addends, got {len(addends)}")
-    if any(t.shape != (rows, dim) or t.dtype != residual.dtype for t in tensors):
+    if not 1 <= len(addends) <= 2 or any(isinstance(a, RoutedPairs) for a in addends[1:]):
+        raise ValueError(f"one or two addends, only the first routed pairs; got {len(addends)}")
+    routed = addends[0] if isinstance(addends[0], RoutedPairs) else None
+    tensors = [a for a in addends if not isinstance(a, RoutedPairs)]
+    if any(t.shape != (rows, dim) or t.dtype != residual.dtype for t in (residual, *tensors)):
         raise ValueError(
             f"residual and addends must share shape and dtype: "
-            f"{[(tuple(t.shape), t.dtype) for t in tensors]}"
+            f"{[(tuple(t.shape), t.dtype) for t in (residual, *tensors)]}"
         )
-    if weight.shape != (dim,) or any(t.stride(-1) != 1 for t in tensors):
+    top_k = 0
+    pairs, pair_weights = residual, residual  # never read without routed pairs
+    if routed is not None:
+        top_k = routed.topk_weights.shape[1]
+        pairs, pair_weights = routed.pair_out, routed.topk_weights.float().contiguous()
+        if pairs.shape != (rows * top_k, dim) or pairs.dtype != residual.dtype:
+            raise ValueError(
+                f"routed pair_out {tuple(pairs.shape)} {pairs.dtype} is not [T·k, D] = "
+                f"[{rows * top_k}, {dim}] of {residual.dtype}"
+            )
+    if weight.shape != (dim,) or any(t.stride(-1) != 1 for t in (residual, pairs, *tensors)):
         raise ValueError(f"weight {tuple(weight.shape)} must be [D]; rows need unit stride")
     h = torch.empty((rows, dim), dtype=residual.dtype, device=residual.device)
     out = torch.empty(
         (rows, dim), dtype=torch.promote_types(residual.dtype, weight.dtype), device=h.device
     )
     if rows:
-        a, b = addends[0], addends[-1]
+        a = tensors[0] if tensors else residual
+        b = tensors[-1] if tensors else residual
         block = next_power_of_2(dim)
         _add_rms_norm_kernel[(rows,)](
-            residual, a, b, weight, h, out, dim,
-            residual.stride(0), a.stride(0), b.stride(0), h.stride(0), out.stride(0), eps,
-            TWO_ADDENDS=len(addends) == 2, BLOCK_D=block, num_warps=_num_warps(block),
+            residual, a, b, pairs, pair_weights, weight, h, out, dim,
+            residual.stride(0), a.stride(0), b.stride(0), pairs.stride(0), h.stride(0),
+            out.stride(0), eps,
+            TOPK=top_k, TENSOR_ADDENDS=len(tensors), BLOCK_D=block, num_warps=_num_warps(block),
         )  # fmt: skip
     return h, out

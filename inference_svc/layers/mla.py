@@ -92,13 +92,13 @@ class MLAAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, n], [T, H, R]
         cos, sin = cos_sin
-        q_rope = rope(q_rope, cos, sin)  # [T, H, R]
-        # kv_a_norm of the latent, RoPE of k_rope and the scatter into the cache: one launch.
+        # kv_a_norm of the latent, RoPE of k_rope and of q_rope, the scatter into the cache:
+        # one launch.
         write = write_latent_cache if x.is_cuda else write_latent_cache_ref
-        write(
+        q_rope = write(
             kv_a, self.kv_a_norm.weight, self.kv_a_norm.eps, cos, sin, rope.interleave,
-            kv_pool.view(-1, kv_pool.shape[-1]), batch.slot_mapping,
-        )  # fmt: skip
+            kv_pool.view(-1, kv_pool.shape[-1]), batch.slot_mapping, q_rope,
+        )  # [T, H, R]  # fmt: skip
 
         out = x.new_empty((tokens, self.num_heads, self.v_dim))  # [T, H, v]
         decodes = batch.num_decode_tokens

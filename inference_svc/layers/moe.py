@@ -27,6 +27,7 @@ from kernels import fused_moe as fm
 from kernels import moe_routing
 from kernels.lora_segments import LoraSegments
 from kernels.moe_routing import select_experts, select_experts_ref
+from kernels.rms_norm import RoutedPairs
 
 
 class DenseMLP(nn.Module):
@@ -122,7 +123,11 @@ class MoE(nn.Module):
         self.lora_gate_up: LoraWeights | None = None
         self.lora_down: LoraWeights | None = None
 
-    def forward(self, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, lora: LoraSegments | None = None, combine: bool = True
+    ) -> torch.Tensor | RoutedPairs:
+        """x [T, hidden] → [T, hidden]; with `combine` False the per-pair outputs and their
+        weights instead, for a caller that folds the weighted combine into its next launch."""
         topk_weights, topk_ids = self.gate(x)  # [T, k]
         w13, w2 = self.experts.quant_info()
         triton_path = x.is_cuda
@@ -149,7 +154,12 @@ class MoE(nn.Module):
         )  # [P, 2I]
         if with_lora and not in_gemm:
             add_moe_gate_up(x, gate_up, self.lora_gate_up, *pairs)
-        act = (fm.silu_mul if triton_path else fm.silu_mul_ref)(gate_up)  # [P, I]
+        if triton_path and scheme == "block_a8" and not with_lora:
+            # e4m3 activations straight from the activation's launch (the LoRA paths read
+            # the bf16 activation, so they keep the two launches).
+            act = fm.silu_mul_quant_fp8(gate_up, w2.block[1])  # [P, I] e4m3 + scales
+        else:
+            act = (fm.silu_mul if triton_path else fm.silu_mul_ref)(gate_up)  # [P, I]
         if in_gemm:
             fused = start_moe_lora(act, self.lora_down, *pairs, per_pair=True)
         pair_out = gemm(
@@ -157,6 +167,8 @@ class MoE(nn.Module):
         )  # [P, hidden]
         if with_lora and not in_gemm:
             add_moe_down(act, pair_out, self.lora_down, *pairs)
+        if not combine:
+            return RoutedPairs(pair_out, topk_weights)
         return (fm.moe_combine if triton_path else fm.moe_combine_ref)(pair_out, topk_weights)
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.rms_norm import (
+    RoutedPairs,
+    add_rms_norm,
+    add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
 
 
 class RMSNorm(nn.Module):
@@ -25,12 +31,14 @@ class RMSNorm(nn.Module):
         return norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
     def add_then_norm(
-        self, residual: torch.Tensor, addends: tuple[torch.Tensor, ...]
+        self, residual: torch.Tensor, addends: tuple[torch.Tensor | RoutedPairs, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Semantics: h = residual + Σ addends (rounded as torch adds them one by one),
-        y = norm(h); no addends: h = residual. residual, addends [T, D] → h, y [T, D].
+        """Semantics: h = residual + Σ addends (rounded as torch adds them one by one; a
+        RoutedPairs first addend is the MoE's weighted combine), y = norm(h); no addends:
+        h = residual. residual, addends [T, D] → h, y [T, D].
 
-        On CUDA the adds ride in the norm's launch (two or three launches fewer per layer).
+        On CUDA the combine and the adds ride in the norm's launch (three or four launches
+        fewer per layer).
         """
         if not addends:
             return residual, self(residual)

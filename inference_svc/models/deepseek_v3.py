@@ -17,6 +17,10 @@ from inference_svc.layers.norm import RMSNorm
 from inference_svc.layers.quant import QuantMethod
 from inference_svc.layers.rope import RotaryEmbedding
 from inference_svc.model.config import ModelConfig
+from kernels.rms_norm import RoutedPairs
+
+# Outputs not yet added to the residual stream (RMSNorm.add_then_norm).
+Addends = tuple[torch.Tensor | RoutedPairs, ...]
 
 
 class DecoderLayer(nn.Module):
@@ -48,17 +52,18 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, quant, dtype, device)
 
     def forward(
-        self, h: torch.Tensor, pending: tuple[torch.Tensor, ...], batch, rope, cos_sin, kv_pool
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        self, h: torch.Tensor, pending: Addends, batch, rope, cos_sin, kv_pool
+    ) -> tuple[torch.Tensor, Addends]:
         """h [T, hidden] the residual stream, `pending` the previous layer's outputs not yet
         added to it → (h, this layer's FFN outputs). Each residual add rides in the next
-        norm's launch (`RMSNorm.add_then_norm`), the FFN's in the next layer's."""
+        norm's launch (`RMSNorm.add_then_norm`), the FFN's in the next layer's, and so does
+        the routed experts' weighted combine."""
         h, x = self.input_norm.add_then_norm(h, pending)
         h, x = self.post_attn_norm.add_then_norm(h, (self.attn(x, batch, rope, cos_sin, kv_pool),))
         lora = batch.lora.tokens if batch.lora is not None else None
         if self.moe is None:
             return h, (self.mlp(x, lora),)
-        routed = self.moe(x, lora)
+        routed = self.moe(x, lora, combine=False)
         if self.mlp is None:
             return h, (routed,)
         return h, (routed, self.mlp(x, lora))
@@ -102,7 +107,7 @@ class DeepseekV3Model(nn.Module):
     ) -> torch.Tensor:
         """input_ids [T] → final hidden states [T, hidden]; writes the step's KV rows."""
         h = self.embed(input_ids)
-        pending: tuple[torch.Tensor, ...] = ()
+        pending: Addends = ()
         cos_sin = self.rope.cos_sin(batch.positions)
         for i, layer in enumerate(self.layers):
             h, pending = layer(h, pending, batch, self.rope, cos_sin, kv_cache.layer(i))

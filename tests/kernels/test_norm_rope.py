@@ -6,8 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.fused_moe import moe_combine
 from kernels.latent_cache import write_latent_cache, write_latent_cache_ref
-from kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.rms_norm import (
+    RoutedPairs,
+    add_rms_norm,
+    add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
 from kernels.rope import rope, rope_ref
 from tests.fixtures.triton_interpret import kernel_device
 
@@ -89,66 +96,110 @@ def test_add_rms_norm_equals_the_adds_then_the_norm(dtype, addends, rows, dim):
     torch.testing.assert_close(y.cpu().float(), ref_y.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("rows,dim,top_k", [(5, 64, 3), (2, 48, 1), (0, 8, 2)])
+def test_add_rms_norm_folds_in_the_moe_combine(dtype, shared, rows, dim, top_k):
+    """A RoutedPairs addend is the combine kernel's sum bit for bit: h equals
+    residual + (moe_combine(pairs) [+ shared]) added by launches one by one."""
+    g = torch.Generator().manual_seed(rows + dim + top_k)
+    residual, shared_out = [(torch.randn(rows, dim, generator=g) * 3).to(dtype) for _ in "ab"]
+    pair_out = (torch.randn(rows * top_k, dim + 5, generator=g) * 3).to(dtype)[:, 5:]
+    topk_weights = torch.rand(rows, top_k, generator=g)
+    weight = (torch.rand(dim, generator=g) + 0.5).to(dtype)
+    routed = RoutedPairs(pair_out.to(DEVICE), topk_weights.to(DEVICE))
+    addends = (routed, shared_out.to(DEVICE)) if shared else (routed,)
+    h, y = add_rms_norm(residual.to(DEVICE), addends, weight.to(DEVICE), 1e-6)
+    total = moe_combine(*routed)
+    if shared:
+        total = total + addends[1]
+    unfused_h = residual.to(DEVICE) + total
+    assert torch.equal(h, unfused_h)
+    if DEVICE != "cuda":
+        assert torch.equal(y, rms_norm(unfused_h, weight, 1e-6))
+    ref_h, ref_y = add_rms_norm_ref(
+        residual, (RoutedPairs(pair_out, topk_weights), shared_out)[: 1 + shared], weight, 1e-6
+    )
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(h.cpu().float(), ref_h.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(y.cpu().float(), ref_y.float(), atol=tol, rtol=tol)
+
+
 def test_add_rms_norm_refuses_mismatched_inputs():
     x = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="share shape and dtype"):
         add_rms_norm(x, (torch.zeros(2, 4),), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="one or two addends"):
         add_rms_norm(x, (x, x, x), torch.ones(8), 1e-6)
+    routed = RoutedPairs(torch.zeros(5, 8), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="only the first routed pairs"):
+        add_rms_norm(x, (x, routed), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="routed pair_out"):
+        add_rms_norm(x, (routed,), torch.ones(8), 1e-6)
 
 
-def _latent_case(dtype, tokens, latent_dim, rope_dim, seed):
-    """kv_a as a strided view inside a wider qkv_a output, a cache of random rows, and
-    distinct slots for the tokens."""
+def _latent_case(dtype, tokens, latent_dim, rope_dim, seed, heads=3):
+    """kv_a as a strided view inside a wider qkv_a output, q_rope inside q, a cache of random
+    rows, and distinct slots for the tokens."""
     g = torch.Generator().manual_seed(seed)
     qkv_a = (torch.randn(tokens, 40 + latent_dim + rope_dim, generator=g) * 2).to(dtype)
     kv_a = qkv_a[:, 40:]
+    q_rope = (torch.randn(tokens, heads, 24 + rope_dim, generator=g) * 2).to(dtype)[..., 24:]
     weight = (torch.rand(latent_dim, generator=g) + 0.5).to(dtype)
     angles = torch.rand(tokens, rope_dim // 2, generator=g) * 50
     cache = torch.randn(3 * tokens + 5, latent_dim + rope_dim, generator=g).to(dtype)
     slots = torch.randperm(cache.shape[0], generator=g)[:tokens]
-    return kv_a, weight, angles.cos() * 1.1, angles.sin() * 1.1, cache, slots
+    return kv_a, weight, angles.cos() * 1.1, angles.sin() * 1.1, cache, slots, q_rope
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleave", [True, False])
-@pytest.mark.parametrize("tokens,latent_dim,rope_dim", [(7, 64, 16), (3, 48, 8), (2, 512, 64),
-                                                        (0, 16, 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens,latent_dim,rope_dim,heads",
+    [(7, 64, 16, 3), (3, 48, 8, 20), (2, 512, 64, 16), (0, 16, 4, 2)],
+)
 def test_write_latent_cache_equals_norm_rope_and_scatter(
-    dtype, interleave, tokens, latent_dim, rope_dim
+    dtype, interleave, tokens, latent_dim, rope_dim, heads
 ):
-    """The fused write equals the one-launch norm and rope kernels scattered by index (bit
-    for bit under the interpreter) and the torch forms within their rounding; rows no token
-    maps to are untouched."""
-    kv_a, weight, cos, sin, cache, slots = _latent_case(dtype, tokens, latent_dim, rope_dim,
-                                                        seed=tokens + latent_dim)  # fmt: skip
+    """The fused launch equals the one-launch norm and rope kernels, the cache rows
+    scattered by index (bit for bit under the interpreter), and the torch forms within their
+    rounding; rows no token maps to are untouched. 20 heads: more than one block of heads."""
+    kv_a, weight, cos, sin, cache, slots, q_rope = _latent_case(
+        dtype, tokens, latent_dim, rope_dim, seed=tokens + latent_dim, heads=heads
+    )
     args = [t.to(DEVICE) for t in (kv_a, weight)] + [1e-6, cos.to(DEVICE), sin.to(DEVICE)]
     ours = cache.to(DEVICE)
-    write_latent_cache(*args, interleave, ours, slots.to(DEVICE))
-    ours = ours.cpu()
+    ours_q = write_latent_cache(*args, interleave, ours, slots.to(DEVICE), q_rope.to(DEVICE))
+    ours, ours_q = ours.cpu(), ours_q.cpu()
 
     kernels = cache.clone()
+    kernels_q = rope(q_rope.to(DEVICE), args[3], args[4], interleave).cpu()
     if tokens:
         latent = rms_norm(args[0][:, :latent_dim], args[1], 1e-6)
         k_rope = rope(args[0][:, latent_dim:], args[3], args[4], interleave)
         kernels[slots] = torch.cat([latent, k_rope], -1).cpu()
     ref = cache.clone()
-    write_latent_cache_ref(kv_a, weight, 1e-6, cos, sin, interleave, ref, slots)
+    ref_q = write_latent_cache_ref(kv_a, weight, 1e-6, cos, sin, interleave, ref, slots, q_rope)
 
     untouched = torch.ones(cache.shape[0], dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(ours[untouched], cache[untouched])
+    assert ours_q.shape == (tokens, heads, rope_dim)
     if DEVICE == "cuda":  # reductions and FMA contraction may differ between kernels
         torch.testing.assert_close(ours, kernels, atol=0, rtol=8e-3)
+        torch.testing.assert_close(ours_q, kernels_q, atol=0, rtol=8e-3)
     else:
-        assert torch.equal(ours, kernels)
+        assert torch.equal(ours, kernels) and torch.equal(ours_q, kernels_q)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(ours_q.float(), ref_q.float(), atol=tol, rtol=tol)
 
 
 def test_write_latent_cache_refuses_mismatched_widths():
-    kv_a, weight, cos, sin, cache, slots = _latent_case(torch.float32, 3, 16, 4, seed=1)
+    kv_a, weight, cos, sin, cache, slots, q_rope = _latent_case(torch.float32, 3, 16, 4, seed=1)
     with pytest.raises(ValueError, match="C \\+ R"):
-        write_latent_cache(kv_a, weight, 1e-6, cos, sin, True, cache[:, :-2], slots)
+        write_latent_cache(kv_a, weight, 1e-6, cos, sin, True, cache[:, :-2], slots, q_rope)
     with pytest.raises(ValueError, match="one row per token"):
-        write_latent_cache(kv_a, weight, 1e-6, cos, sin, True, cache, slots[:2])
+        write_latent_cache(kv_a, weight, 1e-6, cos, sin, True, cache, slots[:2], q_rope)
+    with pytest.raises(ValueError, match="q_rope"):
+        write_latent_cache(kv_a, weight, 1e-6, cos, sin, True, cache, slots, q_rope[..., :2])

@@ -187,6 +187,54 @@ def test_group_quant_fp8_bit_for_bit_on_gpu(dtype):
         assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,inter,group", [(19, 300, 128), (1, 1408, 128), (6, 40, 32), (0, 64, 32)]
+)
+def test_silu_mul_quant_fp8_equals_the_two_launches_bit_for_bit(dtype, rows, inter, group):
+    """The fused activation + quantizer = silu_mul, then group_quant_fp8, bit for bit, and
+    the reference; its grouped GEMM (QuantizedRows in) = the GEMM that quantizes itself."""
+    gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)) * 3
+    gate_up = gate_up.to(dtype).to(DEVICE)
+    fused = fm.silu_mul_quant_fp8(gate_up, group)
+    q, scale = group_quant_fp8(fm.silu_mul(gate_up), group)
+    assert fused.dtype == dtype and fused.q.dtype == FP8_DTYPE
+    assert torch.equal(fused.scale, scale)
+    assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
+    ref = fm.silu_mul_quant_fp8_ref(gate_up.cpu(), group)
+    torch.testing.assert_close(fused.scale.cpu(), ref.scale, atol=0, rtol=0)
+    assert torch.equal(fused.q.cpu().view(torch.uint8), ref.q.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_silu_mul_quant_fp8_bit_for_bit_on_gpu():
+    """bf16 at V2-Lite's decode and prefill pair counts: the fused launch equals the two."""
+    for rows in (384, 49152):
+        gate_up = torch.randn(rows, 2 * 1408, device="cuda", dtype=torch.bfloat16) * 3
+        fused = fm.silu_mul_quant_fp8(gate_up, 128)
+        q, scale = group_quant_fp8(fm.silu_mul(gate_up), 128)
+        assert torch.equal(fused.scale, scale)
+        assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_gemm_takes_quantized_rows(dtype):
+    """block_a8's down GEMM on QuantizedRows gives the same output (bit for bit) as on
+    the activation it quantizes itself; other schemes refuse quantized rows."""
+    ids, _, _, (w2, s2, b2) = _gemm_case("block_a8", dtype, "skewed", 32, seed=5)
+    align = fm.moe_align(ids.to(DEVICE), 8, 16)
+    gate_up = torch.randn(ids.numel(), 80, generator=torch.Generator().manual_seed(2)) * 2
+    gate_up = gate_up.to(dtype).to(DEVICE)
+    w2, s2 = w2.to(DEVICE), s2.to(DEVICE)
+    quantized = fm.grouped_gemm(fm.silu_mul_quant_fp8(gate_up, 32), w2, align, 1, s2, b2,
+                                "block_a8")  # fmt: skip
+    itself = fm.grouped_gemm(fm.silu_mul(gate_up), w2, align, 1, s2, b2, "block_a8")
+    assert quantized.dtype == dtype and torch.equal(quantized, itself)
+    with pytest.raises(ValueError, match="block_a8's input"):
+        fm.grouped_gemm(fm.silu_mul_quant_fp8(gate_up, 32), w2, align, 1, s2, b2, "block")
+
+
 def _gemm_case(scheme, dtype, pattern, group, seed):  # type: ignore[no-untyped-def]
     tokens, experts, top_k, hidden, inter = 19, 8, 2, 96, 40
     ids, _ = routing(tokens, experts, top_k, pattern, seed=seed)
