@@ -27,6 +27,7 @@ from kernels import skinny_linear as skinny
 from kernels.mla_attention import MLA_DECODE_CONFIGS, mla_decode
 from kernels.rms_norm import RoutedPairs, rms_norm_ref
 from kernels.rope import rope_ref
+from kernels.skinny_linear import SkinnyTiles
 
 
 def block_m_v1(num_pairs: int, num_experts: int) -> int:
@@ -95,6 +96,21 @@ UPGRADES: dict[str, tuple] = {
     "fp8_scale_tiles": (fm, "SCALE_TILES_MIN_ROWS", 16),
     # skinny_linear's 64-row plan up to 256 rows (the model: cuBLAS above 64 rows).
     "skinny_256": (skinny, "SKINNY_MAX_ROWS", 256),
+    # skinny_linear plans with wider column tiles and more K splits at 64 rows (fewer
+    # re-reads of the rows, more partial sums).
+    "skinny_n64s4": (
+        skinny,
+        "DEFAULT_TILES",
+        {16: SkinnyTiles(16, 32, 256, 2), 64: SkinnyTiles(64, 64, 128, 4, num_stages=3)},
+    ),
+    "skinny_n128s8": (
+        skinny,
+        "DEFAULT_TILES",
+        {16: SkinnyTiles(16, 64, 256, 4), 64: SkinnyTiles(64, 128, 64, 8, num_stages=5)},
+    ),
+    # e4m3-activation experts keep whole row tiles at decode (no bf16 conversion of the
+    # weight tile to amortise, the reason "block" halves them).
+    "a8_full_rows": (fm, "FP8_HALF_ROWS_SCHEMES", ("block",)),
 }
 VARIANTS: dict[str, frozenset[str]] = {
     "v1": frozenset(PATCHES),
