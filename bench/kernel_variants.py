@@ -23,11 +23,9 @@ import inference_svc.layers.norm as norm_layer
 import inference_svc.layers.rope as rope_layer
 from kernels import fused_moe as fm
 from kernels import moe_routing
-from kernels import skinny_linear as skinny
 from kernels.mla_attention import MLA_DECODE_CONFIGS, mla_decode
 from kernels.rms_norm import RoutedPairs, rms_norm_ref
 from kernels.rope import rope_ref
-from kernels.skinny_linear import SkinnyTiles
 
 
 def block_m_v1(num_pairs: int, num_experts: int) -> int:
@@ -86,31 +84,12 @@ PATCHES = {
     "add_norm": (norm_layer, "add_rms_norm", add_rms_norm_unfused),
     # kv_a_norm, k and q RoPE, concatenation and scatter as five launches (before one).
     "latent_cache": (mla_layer, "write_latent_cache", write_latent_cache_unfused),
-    # cuBLAS for every dense projection (before skinny_linear took decode's few rows).
-    "skinny_linear": (skinny, "SKINNY_MAX_ROWS", 0),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {
     # FP8 experts scale the weight tile and chain the MMA at decode row tiles too (the
     # model does so from SCALE_TILES_MIN_ROWS rows: prefill tiles).
     "fp8_scale_tiles": (fm, "SCALE_TILES_MIN_ROWS", 16),
-    # skinny_linear's 64-row plan up to 256 rows (the model: cuBLAS above 64 rows).
-    "skinny_256": (skinny, "SKINNY_MAX_ROWS", 256),
-    # skinny_linear plans with wider column tiles and more K splits at 64 rows (fewer
-    # re-reads of the rows, more partial sums).
-    "skinny_n64s4": (
-        skinny,
-        "DEFAULT_TILES",
-        {16: SkinnyTiles(16, 32, 256, 2), 64: SkinnyTiles(64, 64, 128, 4, num_stages=3)},
-    ),
-    "skinny_n128s8": (
-        skinny,
-        "DEFAULT_TILES",
-        {16: SkinnyTiles(16, 64, 256, 4), 64: SkinnyTiles(64, 128, 64, 8, num_stages=5)},
-    ),
-    # e4m3-activation experts keep whole row tiles at decode (no bf16 conversion of the
-    # weight tile to amortise, the reason "block" halves them).
-    "a8_full_rows": (fm, "FP8_HALF_ROWS_SCHEMES", ("block",)),
 }
 VARIANTS: dict[str, frozenset[str]] = {
     "v1": frozenset(PATCHES),

@@ -356,7 +356,6 @@ def _moe_chunk_scatter_kernel(
 # at 16 instead of 32 (B=128) 1.07× / 1.05× (H100, bench.grouped_gemm_tiles --decode);
 # bf16 showed no difference (≤ 2 %). Measured up to 1536 pairs.
 FP8_HALF_ROWS_MAX_PAIRS = 2048
-FP8_HALF_ROWS_SCHEMES = FP8_BLOCK_SCHEMES
 
 
 def moe_block_m(num_pairs: int, num_experts: int, scheme: str = "float") -> int:
@@ -375,7 +374,7 @@ def moe_block_m(num_pairs: int, num_experts: int, scheme: str = "float") -> int:
     if want >= 128:
         return 128
     block_m = int(min(64, max(16, next_power_of_2(want))))
-    if scheme in FP8_HALF_ROWS_SCHEMES and num_pairs <= FP8_HALF_ROWS_MAX_PAIRS:
+    if scheme in FP8_BLOCK_SCHEMES and num_pairs <= FP8_HALF_ROWS_MAX_PAIRS:
         return max(16, block_m // 2)
     return block_m
 

@@ -13,7 +13,6 @@ from torch import nn
 
 from inference_svc.layers.quant import QuantMethod
 from inference_svc.lora.apply import LoraWeights, finish_linear_lora, start_linear_lora
-from kernels import skinny_linear
 from kernels.fp8 import fp8_block_linear, fp8_block_linear_ref
 from kernels.lora_segments import LoraSegments
 
@@ -53,12 +52,7 @@ class Linear(nn.Module):
             pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
         info = self.quant.quant_info(self)
         if info.scale is None:
-            few_rows = skinny_linear.use_skinny_linear(x, info.weight)
-            y = (
-                skinny_linear.skinny_linear(x, info.weight)
-                if few_rows
-                else F.linear(x, info.weight)
-            )
+            y = F.linear(x, info.weight)
         else:
             gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref
             y = gemm(x, info.weight, info.scale, info.block)
