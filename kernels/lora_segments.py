@@ -67,6 +67,8 @@ class LoraSegments:
     max_seg_len: int
     # Backing storage of the four per-step fields above, so the builder makes one copy.
     packed: Tensor = field(repr=False)
+    # `pair_tokens` results by (tokens, top_k): made by the first MoE layer of a step.
+    _pair_tokens: dict[tuple[int, int], Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def max_tokens(self) -> int:
@@ -95,6 +97,19 @@ class LoraSegments:
         view.__dict__.update(self.__dict__)
         view.slot_rank = slot_rank
         return view
+
+    def pair_tokens(self, top_k: int) -> Tensor:
+        """int32 [num_tokens · top_k]: the token t of each routed pair p = t·k + j. Every
+        MoE layer of the step needs the same one, so it is made once (two launches fewer
+        per layer); a captured graph keeps the one made at its warm-up."""
+        key = (self.num_tokens, top_k)
+        tokens = self._pair_tokens.get(key)
+        if tokens is None:
+            pairs = torch.arange(
+                self.num_tokens * top_k, device=self.token_slot.device, dtype=torch.int32
+            )
+            tokens = self._pair_tokens[key] = pairs // top_k
+        return tokens
 
     def grid_segments(self) -> int:
         """Segment programs a launcher starts: the live count, or the capacity while a CUDA

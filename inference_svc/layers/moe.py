@@ -145,7 +145,8 @@ class MoE(nn.Module):
         )
         fused = None
         if with_lora:
-            pair_token, pair_expert = _pairs(topk_ids)
+            pair_token = lora.pair_tokens(top_k)  # [P]
+            pair_expert = topk_ids.flatten().to(torch.int32)  # [P]
             pairs = (pair_token, pair_expert, lora, align.sorted_pair_ids)
             if in_gemm:
                 fused = start_moe_lora(x, self.lora_gate_up, *pairs, per_pair=False)
@@ -170,10 +171,3 @@ class MoE(nn.Module):
         if not combine:
             return RoutedPairs(pair_out, topk_weights)
         return (fm.moe_combine if triton_path else fm.moe_combine_ref)(pair_out, topk_weights)
-
-
-def _pairs(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 token [P] and expert [P] of each pair p = t·k + j (the intermediates' order)."""
-    tokens, top_k = topk_ids.shape
-    pair_token = torch.arange(tokens * top_k, device=topk_ids.device, dtype=torch.int32) // top_k
-    return pair_token, topk_ids.flatten().to(torch.int32)

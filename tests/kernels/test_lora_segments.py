@@ -162,3 +162,15 @@ def test_token_slots_may_be_a_tensor_or_an_array() -> None:
     for given in (torch.tensor([2, 2, 0, -1]), np.array([2, 2, 0, -1], dtype=np.int32)):
         got = build_lora_segments(given, [4, 0, 8])
         assert torch.equal(got.packed, want.packed) and got.num_live_segments == 3
+
+
+def test_pair_tokens_are_made_once_per_step_and_top_k():
+    """The routed pairs' tokens (p = t·k + j → t) for every MoE layer of a step: one tensor
+    per (tokens, top_k), shared by the per-module views of the segments."""
+    segs = build_lora_segments([0, 0, -1, 1, 1], [4, 8])
+    tokens = segs.pair_tokens(3)
+    assert tokens.dtype == torch.int32
+    assert tokens.tolist() == [t for t in range(5) for _ in range(3)]
+    assert segs.pair_tokens(3) is tokens
+    assert segs.with_slot_rank(torch.tensor([4, 0], dtype=torch.int32)).pair_tokens(3) is tokens
+    assert segs.pair_tokens(2).tolist() == [t for t in range(5) for _ in range(2)]
