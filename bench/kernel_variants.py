@@ -11,6 +11,7 @@ the default), so the difference is what y would buy.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from unittest import mock
@@ -20,15 +21,14 @@ import torch
 import inference_svc.layers.mla as mla_layer
 import inference_svc.layers.moe as moe_layer
 import inference_svc.layers.norm as norm_layer
-import inference_svc.layers.rope as rope_layer
 from kernels import fused_moe as fm
 from kernels import moe_routing
 from kernels.mla_attention import MLA_DECODE_CONFIGS, mla_decode
 from kernels.rms_norm import RoutedPairs, rms_norm_ref
-from kernels.rope import rope_ref
+from kernels.rope import rope, rope_ref
 
 
-def block_m_v1(num_pairs: int, num_experts: int) -> int:
+def block_m_v1(num_pairs: int, num_experts: int, scheme: str = "float") -> int:
     """v1's grouped-GEMM row tile: 16 at every batch size."""
     return 16
 
@@ -45,24 +45,31 @@ def add_rms_norm_unfused(residual, addends, weight, eps):
     return h, norm_layer.rms_norm(h, weight, eps)
 
 
+# The rotation the unfused latent write below launches ("rope" patches in the torch form).
+unfused_rope = rope
+
+
 def write_latent_cache_unfused(kv_a, norm_weight, eps, cos, sin, interleave, rows, slots, q_rope):
     """The norm and both rotations as their own launches, a concatenation and an indexed copy
-    (before write_latent_cache)."""
+    (before write_latent_cache). The norm is the layer's module attribute, so "v1" still
+    gets the torch form."""
     latent, k_rope = kv_a.split([norm_weight.shape[0], kv_a.shape[-1] - norm_weight.shape[0]], -1)
     rows[slots] = torch.cat(
         [
             norm_layer.rms_norm(latent, norm_weight, eps),
-            rope_layer.rope(k_rope, cos, sin, interleave),
+            unfused_rope(k_rope, cos, sin, interleave),
         ],
         -1,
     ).to(rows.dtype)
-    return rope_layer.rope(q_rope, cos, sin, interleave)
+    return unfused_rope(q_rope, cos, sin, interleave)
 
 
 # name → (module, attribute, v1 value)
 PATCHES = {
     "norm": (norm_layer, "rms_norm", rms_norm_ref),  # 8 torch kernels instead of 1
-    "rope": (rope_layer, "rope", rope_ref),  # 9 torch kernels instead of 1
+    # 9 torch kernels instead of 1 (the rotations are inside write_latent_cache now, so
+    # this reaches them only with "latent_cache" patched too, as in v1).
+    "rope": (sys.modules[__name__], "unfused_rope", rope_ref),
     "align": (fm, "moe_align", fm.moe_align_ref),  # ~35 torch kernels instead of 1
     "block_m": (fm, "moe_block_m", block_m_v1),  # 16-row tiles at every batch
     "mla": (

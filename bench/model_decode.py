@@ -148,7 +148,7 @@ def measure(runner, variant, batch_size, context, page_size, bandwidth, with_pro
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--plot", type=Path, required=True)
@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument(
         "--experts", choices=EXPERT_WEIGHTS, default="bf16", help="routed experts' weights"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16

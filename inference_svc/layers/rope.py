@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from inference_svc.model.config import RopeConfig, yarn_mscale
-from kernels.rope import rope, rope_ref
 
 
 def rope_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
@@ -46,7 +45,8 @@ def rope_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Semantics: x[..., pairs] rotated by angle pos·inv_freq, scaled by the YaRN factor.
+    """Semantics: x[..., pairs] rotated by angle pos·inv_freq, scaled by the YaRN factor
+    (the rotation itself: `kernels.rope`, applied inside `kernels.latent_cache`).
 
     Interleaved layout (DeepSeek checkpoints): pairs are (x0, x1), (x2, x3), ...; the output
     is written de-interleaved, [rotated evens ⊕ rotated odds], as transformers does. Queries
@@ -64,12 +64,3 @@ class RotaryEmbedding(nn.Module):
         """cos, sin [T, dim/2] in float32 for integer positions [T]."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, ..., dim] → rotated x; cos/sin [T, dim/2] broadcast over middle dims.
-
-        On CUDA one Triton launch (the torch form is 9 kernels; 2 calls per layer).
-        """
-        if x.is_cuda:
-            return rope(x, cos, sin, self.interleave)
-        return rope_ref(x, cos, sin, self.interleave)
