@@ -21,6 +21,7 @@ import torch
 import inference_svc.layers.mla as mla_layer
 import inference_svc.layers.moe as moe_layer
 import inference_svc.layers.norm as norm_layer
+import inference_svc.models.deepseek_v3 as model_module
 from kernels import fused_moe as fm
 from kernels import moe_routing
 from kernels.mla_attention import MLA_DECODE_CONFIGS, mla_decode
@@ -33,16 +34,19 @@ def block_m_v1(num_pairs: int, num_experts: int, scheme: str = "float") -> int:
     return 16
 
 
-def add_rms_norm_unfused(residual, addends, weight, eps):
-    """The MoE combine and the residual adds as their own launches, then the norm (before
-    add_rms_norm). The norm and rope here are the layers' module attributes, so "v1" still
-    gets the torch forms."""
+def add_rms_norm_unfused(residual, addends, weight, eps, y_float=None):
+    """The MoE combine and the residual adds as their own launches, then the norm (and the
+    float copy) (before add_rms_norm). The norm here is the layer's module attribute, so
+    "v1" still gets the torch form."""
     parts = [fm.moe_combine(*a) if isinstance(a, RoutedPairs) else a for a in addends]
     total = parts[0]
     for addend in parts[1:]:
         total = total + addend
     h = residual + total
-    return h, norm_layer.rms_norm(h, weight, eps)
+    y = norm_layer.rms_norm(h, weight, eps)
+    if y_float is not None:
+        y_float.copy_(y)
+    return h, y
 
 
 # The rotation the unfused latent write below launches ("rope" patches in the torch form).
@@ -91,19 +95,30 @@ PATCHES = {
     "add_norm": (norm_layer, "add_rms_norm", add_rms_norm_unfused),
     # kv_a_norm, k and q RoPE, concatenation and scatter as five launches (before one).
     "latent_cache": (mla_layer, "write_latent_cache", write_latent_cache_unfused),
+    # The router converts its input to float32 itself (before the norm wrote the copy).
+    "router_input": (model_module, "ROUTER_INPUT_FROM_NORM", False),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {
     # FP8 experts scale the weight tile and chain the MMA at decode row tiles too (the
     # model does so from SCALE_TILES_MIN_ROWS rows: prefill tiles).
     "fp8_scale_tiles": (fm, "SCALE_TILES_MIN_ROWS", 16),
+    # Decode batches above 512 / 256 pairs aligned in chunks (three launches, each chunk
+    # sorted by its own program) instead of one program sorting every pair: B=256's 1536
+    # pairs took 23 µs per MoE layer in one program (model_decode_fp8a8_profile_h100.json).
+    "align_single_512": (fm, "MAX_SINGLE_PROGRAM_PAIRS", 512),
+    "align_chunk_512": (fm, "ALIGN_CHUNK_PAIRS", 512),
+    "align_single_256": (fm, "MAX_SINGLE_PROGRAM_PAIRS", 256),
+    "align_chunk_256": (fm, "ALIGN_CHUNK_PAIRS", 256),
 }
 VARIANTS: dict[str, frozenset[str]] = {
     "v1": frozenset(PATCHES),
     "v2": frozenset(),
     **{f"v2-{name}": frozenset({name}) for name in PATCHES},
-    **{f"v2+{name}": frozenset({name}) for name in UPGRADES},
-    "v2-fusions": frozenset({"add_norm", "latent_cache"}),
+    "v2+fp8_scale_tiles": frozenset({"fp8_scale_tiles"}),
+    "v2+align_chunks_512": frozenset({"align_single_512", "align_chunk_512"}),
+    "v2+align_chunks_256": frozenset({"align_single_256", "align_chunk_256"}),
+    "v2-fusions": frozenset({"add_norm", "latent_cache", "router_input"}),
 }
 
 

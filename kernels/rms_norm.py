@@ -44,13 +44,15 @@ def add_rms_norm_ref(
     addends: tuple[torch.Tensor | RoutedPairs, ...],
     weight: torch.Tensor,
     eps: float,
+    y_float: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: h = residual + (a₀ + a₁ + …) (each sum rounded); y = rms_norm(h).
 
     The decoder's `h + attn_out` / `h + (moe_out + shared_out)` before the next norm.
     Args:
         residual: [T, D]; addends: one or two [T, D] of its dtype, the first may be a
-        RoutedPairs (the MoE output not yet combined); weight [D].
+        RoutedPairs (the MoE output not yet combined); weight [D]; y_float: None, or
+        [T, D] float32 that receives y.float() too (the router's input).
         Returns h [T, D] and y [T, D].
     """
     parts = [moe_combine_ref(*a) if isinstance(a, RoutedPairs) else a for a in addends]
@@ -58,7 +60,10 @@ def add_rms_norm_ref(
     for addend in parts[1:]:
         total = total + addend
     h = residual + total
-    return h, rms_norm_ref(h, weight, eps)
+    y = rms_norm_ref(h, weight, eps)
+    if y_float is not None:
+        y_float.copy_(y.float())
+    return h, y
 
 
 @triton.jit
@@ -87,9 +92,10 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _add_rms_norm_kernel(
-    res_ptr, a_ptr, b_ptr, pairs_ptr, pair_w_ptr, w_ptr, h_ptr, y_ptr, D,
-    stride_res, stride_a, stride_b, stride_pairs, stride_h, stride_y, eps,
-    TOPK: tl.constexpr, TENSOR_ADDENDS: tl.constexpr, BLOCK_D: tl.constexpr,
+    res_ptr, a_ptr, b_ptr, pairs_ptr, pair_w_ptr, w_ptr, h_ptr, y_ptr, y_float_ptr, D,
+    stride_res, stride_a, stride_b, stride_pairs, stride_h, stride_y, stride_yf, eps,
+    TOPK: tl.constexpr, TENSOR_ADDENDS: tl.constexpr, FLOAT_COPY: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # The first addend is the routed pairs' combine (TOPK > 0, as moe_combine sums it) or
     # a; then b (or a after the pairs) when there are two.
@@ -111,8 +117,10 @@ def _add_rms_norm_kernel(
     res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
     h = (res.to(tl.float32) + total.to(tl.float32)).to(dtype)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
-    y = rms_normalize_row(h, w_ptr, cols, mask, D, eps)
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    y = rms_normalize_row(h, w_ptr, cols, mask, D, eps).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+    if FLOAT_COPY:
+        tl.store(y_float_ptr + row * stride_yf + cols, y.to(tl.float32), mask=mask)
 
 
 def _num_warps(block: int) -> int:
@@ -140,10 +148,11 @@ def add_rms_norm(
     addends: tuple[torch.Tensor | RoutedPairs, ...],
     weight: torch.Tensor,
     eps: float,
+    y_float: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `add_rms_norm_ref`: the combine, the adds and the norm in one launch
-    (the torch form is one launch per add plus the norm's and the combine's), one program
-    per row."""
+    """Triton version of `add_rms_norm_ref`: the combine, the adds, the norm and y's float32
+    copy in one launch (the torch form is one launch per add plus the norm's, the
+    combine's and the conversion's), one program per row."""
     rows, dim = residual.shape
     if not 1 <= len(addends) <= 2 or any(isinstance(a, RoutedPairs) for a in addends[1:]):
         raise ValueError(f"one or two addends, only the first routed pairs; got {len(addends)}")
@@ -166,6 +175,10 @@ def add_rms_norm(
             )
     if weight.shape != (dim,) or any(t.stride(-1) != 1 for t in (residual, pairs, *tensors)):
         raise ValueError(f"weight {tuple(weight.shape)} must be [D]; rows need unit stride")
+    if y_float is not None and (
+        y_float.shape != (rows, dim) or y_float.dtype != torch.float32 or y_float.stride(-1) != 1
+    ):
+        raise ValueError(f"y_float {tuple(y_float.shape)} {y_float.dtype} must be [T, D] float32")
     h = torch.empty((rows, dim), dtype=residual.dtype, device=residual.device)
     out = torch.empty(
         (rows, dim), dtype=torch.promote_types(residual.dtype, weight.dtype), device=h.device
@@ -174,10 +187,12 @@ def add_rms_norm(
         a = tensors[0] if tensors else residual
         b = tensors[-1] if tensors else residual
         block = next_power_of_2(dim)
+        y32 = y_float if y_float is not None else out  # never written without a copy
         _add_rms_norm_kernel[(rows,)](
-            residual, a, b, pairs, pair_weights, weight, h, out, dim,
+            residual, a, b, pairs, pair_weights, weight, h, out, y32, dim,
             residual.stride(0), a.stride(0), b.stride(0), pairs.stride(0), h.stride(0),
-            out.stride(0), eps,
-            TOPK=top_k, TENSOR_ADDENDS=len(tensors), BLOCK_D=block, num_warps=_num_warps(block),
+            out.stride(0), y32.stride(0), eps,
+            TOPK=top_k, TENSOR_ADDENDS=len(tensors), FLOAT_COPY=y_float is not None,
+            BLOCK_D=block, num_warps=_num_warps(block),
         )  # fmt: skip
     return h, out

@@ -59,10 +59,13 @@ class Router(nn.Module):
                 torch.zeros(e, dtype=torch.float32, device=device), False
             )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] → topk_weights [T, k] float32, topk_ids [T, k] int64."""
+    def forward(
+        self, x: torch.Tensor, x_float: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] → topk_weights [T, k] float32, topk_ids [T, k] int64; x_float: x as
+        float32 when the caller has it already."""
         r = self.routing
-        logits = x.float() @ self.weight.T  # [T, E]
+        logits = (x.float() if x_float is None else x_float) @ self.weight.T  # [T, E]
         # One launch on the GPU where it measured faster than the torch ops (routers without
         # expert groups, kernels/moe_routing.py).
         fused = x.is_cuda and moe_routing.kernel_selects(r.method, r.num_experts, r.n_group)
@@ -124,11 +127,16 @@ class MoE(nn.Module):
         self.lora_down: LoraWeights | None = None
 
     def forward(
-        self, x: torch.Tensor, lora: LoraSegments | None = None, combine: bool = True
+        self,
+        x: torch.Tensor,
+        lora: LoraSegments | None = None,
+        combine: bool = True,
+        x_float: torch.Tensor | None = None,
     ) -> torch.Tensor | RoutedPairs:
         """x [T, hidden] → [T, hidden]; with `combine` False the per-pair outputs and their
-        weights instead, for a caller that folds the weighted combine into its next launch."""
-        topk_weights, topk_ids = self.gate(x)  # [T, k]
+        weights instead, for a caller that folds the weighted combine into its next launch.
+        x_float: x as float32 for the router, when the caller made it."""
+        topk_weights, topk_ids = self.gate(x, x_float)  # [T, k]
         w13, w2 = self.experts.quant_info()
         triton_path = x.is_cuda
         num_experts = self.experts.num_experts

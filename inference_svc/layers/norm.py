@@ -31,16 +31,23 @@ class RMSNorm(nn.Module):
         return norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
     def add_then_norm(
-        self, residual: torch.Tensor, addends: tuple[torch.Tensor | RoutedPairs, ...]
+        self,
+        residual: torch.Tensor,
+        addends: tuple[torch.Tensor | RoutedPairs, ...],
+        y_float: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Semantics: h = residual + Σ addends (rounded as torch adds them one by one; a
         RoutedPairs first addend is the MoE's weighted combine), y = norm(h); no addends:
-        h = residual. residual, addends [T, D] → h, y [T, D].
+        h = residual. residual, addends [T, D] → h, y [T, D]; y_float [T, D] float32, if
+        given, receives y.float() as well.
 
-        On CUDA the combine and the adds ride in the norm's launch (three or four launches
-        fewer per layer).
+        On CUDA the combine, the adds and the float copy ride in the norm's launch (three
+        to five launches fewer per layer).
         """
         if not addends:
-            return residual, self(residual)
+            y = self(residual)
+            if y_float is not None:
+                y_float.copy_(y)
+            return residual, y
         fused = add_rms_norm if residual.is_cuda else add_rms_norm_ref
-        return fused(residual, addends, self.weight, self.eps)
+        return fused(residual, addends, self.weight, self.eps, y_float)

@@ -21,6 +21,9 @@ from kernels.rms_norm import RoutedPairs
 
 # Outputs not yet added to the residual stream (RMSNorm.add_then_norm).
 Addends = tuple[torch.Tensor | RoutedPairs, ...]
+# Whether the MoE's router reads a float32 copy of its input made by the norm (bench patch
+# "router_input" turns it off: the router converts, one launch per MoE layer).
+ROUTER_INPUT_FROM_NORM = True
 
 
 class DecoderLayer(nn.Module):
@@ -59,11 +62,15 @@ class DecoderLayer(nn.Module):
         norm's launch (`RMSNorm.add_then_norm`), the FFN's in the next layer's, and so does
         the routed experts' weighted combine."""
         h, x = self.input_norm.add_then_norm(h, pending)
-        h, x = self.post_attn_norm.add_then_norm(h, (self.attn(x, batch, rope, cos_sin, kv_pool),))
+        attn = self.attn(x, batch, rope, cos_sin, kv_pool)
         lora = batch.lora.tokens if batch.lora is not None else None
         if self.moe is None:
+            h, x = self.post_attn_norm.add_then_norm(h, (attn,))
             return h, (self.mlp(x, lora),)
-        routed = self.moe(x, lora, combine=False)
+        # The router's float32 input, written by the norm's launch (no conversion launch).
+        x_float = h.new_empty(h.shape, dtype=torch.float32) if ROUTER_INPUT_FROM_NORM else None
+        h, x = self.post_attn_norm.add_then_norm(h, (attn,), x_float)
+        routed = self.moe(x, lora, combine=False, x_float=x_float)
         if self.mlp is None:
             return h, (routed,)
         return h, (routed, self.mlp(x, lora))

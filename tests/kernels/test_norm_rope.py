@@ -109,7 +109,9 @@ def test_add_rms_norm_folds_in_the_moe_combine(dtype, shared, rows, dim, top_k):
     weight = (torch.rand(dim, generator=g) + 0.5).to(dtype)
     routed = RoutedPairs(pair_out.to(DEVICE), topk_weights.to(DEVICE))
     addends = (routed, shared_out.to(DEVICE)) if shared else (routed,)
-    h, y = add_rms_norm(residual.to(DEVICE), addends, weight.to(DEVICE), 1e-6)
+    y_float = torch.full((rows, dim), float("nan"), device=DEVICE)
+    h, y = add_rms_norm(residual.to(DEVICE), addends, weight.to(DEVICE), 1e-6, y_float)
+    assert torch.equal(y_float, y.float()), "the router's float32 copy of y"
     total = moe_combine(*routed)
     if shared:
         total = total + addends[1]
@@ -136,6 +138,8 @@ def test_add_rms_norm_refuses_mismatched_inputs():
         add_rms_norm(x, (x, routed), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="routed pair_out"):
         add_rms_norm(x, (routed,), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="y_float"):
+        add_rms_norm(x, (x,), torch.ones(8), 1e-6, torch.zeros(2, 8, dtype=torch.float16))
 
 
 def _latent_case(dtype, tokens, latent_dim, rope_dim, seed, heads=3):

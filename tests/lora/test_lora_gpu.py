@@ -99,7 +99,7 @@ def test_moe_lora_in_the_gemm_epilogue_equals_the_kernels_after_it(
     forward = moe.MoE.forward
     diffs, effects = [], []
 
-    def both_paths(self, x, lora=None, combine=True):  # type: ignore[no-untyped-def]
+    def both_paths(self, x, lora=None, combine=True, x_float=None):  # type: ignore[no-untyped-def]
         # Always combined: the decoder layer adds a tensor addend as it adds RoutedPairs.
         out = {}
         for where in ("always", "never"):
