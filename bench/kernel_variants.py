@@ -97,27 +97,20 @@ PATCHES = {
     "latent_cache": (mla_layer, "write_latent_cache", write_latent_cache_unfused),
     # The router converts its input to float32 itself (before the norm wrote the copy).
     "router_input": (model_module, "ROUTER_INPUT_FROM_NORM", False),
+    # Decode batches of up to 4096 pairs aligned by one program (before 512-pair chunks).
+    "align_chunks": (fm, "MAX_SINGLE_PROGRAM_PAIRS", 4096),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {
     # FP8 experts scale the weight tile and chain the MMA at decode row tiles too (the
     # model does so from SCALE_TILES_MIN_ROWS rows: prefill tiles).
     "fp8_scale_tiles": (fm, "SCALE_TILES_MIN_ROWS", 16),
-    # Decode batches above 512 / 256 pairs aligned in chunks (three launches, each chunk
-    # sorted by its own program) instead of one program sorting every pair: B=256's 1536
-    # pairs took 23 µs per MoE layer in one program (model_decode_fp8a8_profile_h100.json).
-    "align_single_512": (fm, "MAX_SINGLE_PROGRAM_PAIRS", 512),
-    "align_chunk_512": (fm, "ALIGN_CHUNK_PAIRS", 512),
-    "align_single_256": (fm, "MAX_SINGLE_PROGRAM_PAIRS", 256),
-    "align_chunk_256": (fm, "ALIGN_CHUNK_PAIRS", 256),
 }
 VARIANTS: dict[str, frozenset[str]] = {
     "v1": frozenset(PATCHES),
     "v2": frozenset(),
     **{f"v2-{name}": frozenset({name}) for name in PATCHES},
-    "v2+fp8_scale_tiles": frozenset({"fp8_scale_tiles"}),
-    "v2+align_chunks_512": frozenset({"align_single_512", "align_chunk_512"}),
-    "v2+align_chunks_256": frozenset({"align_single_256", "align_chunk_256"}),
+    **{f"v2+{name}": frozenset({name}) for name in UPGRADES},
     "v2-fusions": frozenset({"add_norm", "latent_cache", "router_input"}),
 }
 

@@ -118,7 +118,7 @@ def test_chunked_align_equals_ref_exactly(monkeypatch, pattern, tokens, experts,
     """Above one program's pairs the alignment runs in chunks (made small here: 64 pairs,
     so 2-5 chunks whose last one is partial); every output equals the torch ops'."""
     monkeypatch.setattr(fm, "MAX_SINGLE_PROGRAM_PAIRS", 64)
-    monkeypatch.setattr(fm, "ALIGN_CHUNK_PAIRS", 64)
+    monkeypatch.setattr(fm, "ALIGN_DECODE_CHUNK_PAIRS", 64)
     monkeypatch.setattr(fm, "ALIGN_MAX_CHUNK_PAIRS", 64)
     ids, _ = routing(tokens, experts, top_k, pattern, seed=tokens)
     assert_align_equals_ref(ids, experts, block_m)
@@ -129,8 +129,11 @@ def test_chunks_grow_to_fit_the_offsets_program_then_torch_ops(monkeypatch):
     assert fm._align_chunk(8192 * 6, 64) == 1024
     assert fm._align_chunk(8192 * 8, 256) == 2048
     assert fm._align_chunk(32 * 4096 + 1, 256) is None
+    # Decode batches past one program: 512-pair chunks (V2-Lite B=256: three).
+    assert fm._align_chunk(256 * 6, 64) == 512
+    assert 256 * 6 > fm.MAX_SINGLE_PROGRAM_PAIRS >= 64 * 6
     monkeypatch.setattr(fm, "MAX_SINGLE_PROGRAM_PAIRS", 16)
-    monkeypatch.setattr(fm, "ALIGN_CHUNK_PAIRS", 8)
+    monkeypatch.setattr(fm, "ALIGN_DECODE_CHUNK_PAIRS", 8)
     monkeypatch.setattr(fm, "ALIGN_MAX_CHUNK_PAIRS", 16)
     monkeypatch.setattr(fm, "ALIGN_CELLS", 32)  # 16 bins for 8 experts: 2 chunks at most
     assert fm._align_chunk(30, 8) == 16
