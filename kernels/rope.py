@@ -1,8 +1,11 @@
 """Rotary embedding of the rope slice of MLA queries/keys in one launch.
 
-The torch form (inference_svc.layers.rope) is 9 kernels per call and runs twice per layer.
-Rounding follows it exactly: cos/sin are rounded to x's dtype, each product and the
-sum/difference are rounded to x's dtype, as torch does op by op.
+The torch form (`rope_ref`) is 9 kernels per call. The model rotates inside
+`kernels.latent_cache` with this module's jitted `pair_columns` / `rotate_pairs`; the
+`rope` launcher stays as the separate-launch form that bench.kernel_variants' unfused
+latent write times and the tests compare against. Rounding follows the torch form exactly:
+cos/sin are rounded to x's dtype, each product and the sum/difference are rounded to x's
+dtype, as torch does op by op.
 """
 
 from __future__ import annotations
