@@ -113,12 +113,33 @@ def _round_to_e4m3(y):
 @triton.jit
 def quantize_row_groups(x, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr):
     """x [rows, GROUP] float32 (masked lanes 0) → (x / scale on the e4m3 grid, still float32;
-    scale [rows] = amax / QMAX). Shared by every kernel that quantizes activations, so they
-    all round alike."""
+    scale [rows] = amax / QMAX)."""
     # Correctly rounded divisions, as the torch reference (Triton's `/` is div.full.f32).
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), QMAX)
     y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -QMAX, QMAX)
     return _round_to_e4m3(y), scale
+
+
+@triton.jit
+def row_group_tile(M, K, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's tile of a row-group quantizer (one program per BLOCK_M rows and one
+    K-group): rows [BLOCK_M] int64, columns [GROUP] and their mask [BLOCK_M, GROUP]."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    return rows.to(tl.int64), cols, (rows[:, None] < M) & (cols[None, :] < K)
+
+
+@triton.jit
+def store_row_groups(
+    x, q_ptr, s_ptr, rows, cols, mask, M, stride_qm, stride_sm,
+    MIN_AMAX: tl.constexpr, QMAX: tl.constexpr,
+):  # fmt: skip
+    """Quantize the tile x [BLOCK_M, GROUP] float32 and store its e4m3 values and the rows'
+    scales of this K-group. Shared by every activation quantizer, so they all round alike."""
+    q, scale = quantize_row_groups(x, MIN_AMAX, QMAX)
+    q_ptrs = q_ptr + rows[:, None] * stride_qm + cols[None, :]
+    tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows * stride_sm + tl.program_id(1), scale, mask=rows < M)
 
 
 # Per-step row counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
@@ -127,16 +148,11 @@ def _group_quant_fp8_kernel(
     a_ptr, q_ptr, s_ptr, M, K, stride_am, stride_qm, stride_sm,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr,
 ):  # fmt: skip
-    # One program per (BLOCK_M rows, one K-group).
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    rows64 = rows.to(tl.int64)
-    x = tl.load(a_ptr + rows64[:, None] * stride_am + cols[None, :], mask=mask, other=0.0)
-    q, scale = quantize_row_groups(x.to(tl.float32), MIN_AMAX, QMAX)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
-    tl.store(s_ptr + rows64 * stride_sm + tl.program_id(1), scale, mask=rows < M)
+    rows, cols, mask = row_group_tile(M, K, GROUP, BLOCK_M)
+    x = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :], mask=mask, other=0.0)
+    store_row_groups(
+        x.to(tl.float32), q_ptr, s_ptr, rows, cols, mask, M, stride_qm, stride_sm, MIN_AMAX, QMAX
+    )
 
 
 class QuantizedRows(NamedTuple):
@@ -149,26 +165,30 @@ class QuantizedRows(NamedTuple):
     dtype: torch.dtype
 
 
-def check_activation_group(group: int) -> None:
+def launch_row_group_quant(
+    kernel: triton.JITFunction, source: torch.Tensor, k: int, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a row-group quantizer `kernel` (the arguments of `_group_quant_fp8_kernel`) over
+    `source`'s rows: (q [M, k] e4m3, scale [M, ceil(k/group)] float32)."""
     if group < 16 or group & (group - 1):
         raise ValueError(f"activation group {group} must be a power of two ≥ 16")
+    m = source.shape[0]
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=source.device)
+    scale = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=source.device)
+    if m:
+        block_m = 16 if group <= 128 else 4
+        kernel[(cdiv(m, block_m), cdiv(k, group))](
+            source, q, scale, m, k, source.stride(0), q.stride(0), scale.stride(0),
+            GROUP=group, BLOCK_M=block_m, MIN_AMAX=ACT_SCALE_MIN_AMAX, QMAX=FP8_MAX,
+        )  # fmt: skip
+    return q, scale
 
 
 def group_quant_fp8(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `group_quant_fp8_ref` (same arguments and result, bit for bit)."""
     if a.dim() != 2 or a.stride(-1) != 1:
         raise ValueError(f"activations {tuple(a.shape)} must be [M, K] with unit stride in K")
-    check_activation_group(group)
-    m, k = a.shape
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=a.device)
-    scale = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=a.device)
-    if m:
-        block_m = 16 if group <= 128 else 4
-        _group_quant_fp8_kernel[(cdiv(m, block_m), cdiv(k, group))](
-            a, q, scale, m, k, a.stride(0), q.stride(0), scale.stride(0),
-            GROUP=group, BLOCK_M=block_m, MIN_AMAX=ACT_SCALE_MIN_AMAX, QMAX=FP8_MAX,
-        )  # fmt: skip
-    return q, scale
+    return launch_row_group_quant(_group_quant_fp8_kernel, a, a.shape[1], group)
 
 
 def group_dequant_fp8_ref(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:

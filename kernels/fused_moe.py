@@ -22,16 +22,14 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import (
-    ACT_SCALE_MIN_AMAX,
-    FP8_DTYPE,
-    FP8_MAX,
     QuantizedRows,
     block_dequant_ref,
-    check_activation_group,
     group_dequant_fp8_ref,
     group_quant_fp8,
     group_quant_fp8_ref,
-    quantize_row_groups,
+    launch_row_group_quant,
+    row_group_tile,
+    store_row_groups,
 )
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.int_quant import (
@@ -638,12 +636,13 @@ def grouped_gemm(
     scheme = weight_scheme(scheme, w_scale)
     tiles = tiles or default_tiles(align.block_m, scheme)
     num_experts, n, stored_k = w.shape
-    prequantized = isinstance(a, QuantizedRows)
-    if prequantized and scheme != "block_a8":
-        raise ValueError(f"quantized activations are block_a8's input, not {scheme!r}'s")
-    out_dtype = a.dtype
-    if prequantized:
+    a_scale = None  # the activations' scales (w8a8, block_a8)
+    if isinstance(a, QuantizedRows):
+        if scheme != "block_a8":
+            raise ValueError(f"quantized activations are block_a8's input, not {scheme!r}'s")
         a, a_scale, out_dtype = a
+    else:
+        out_dtype = a.dtype
     k = a.shape[-1]
     if stored_k != _stored_k(k, scheme) or a.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError(f"a {tuple(a.shape)} / w {tuple(w.shape)}: K mismatch or strided K")
@@ -663,10 +662,9 @@ def grouped_gemm(
     out = torch.empty((align.num_pairs, n), dtype=out_dtype, device=a.device)
     if scheme == "w8a8":
         a, a_scale = per_token_quant_int8(a)
-    elif scheme == "block_a8" and not prequantized:
+    elif scheme == "block_a8" and a_scale is None:
         a, a_scale = group_quant_fp8(a, bk)
-    elif not prequantized:
-        a_scale = w  # unused pointer
+    a_scale = a_scale if a_scale is not None else w  # unused pointer without scales
     scale = w_scale if w_scale is not None else w  # unused pointer for "float"
     block_n = tiles.block_n
     grid = (align.block_expert_ids.numel(), cdiv(n, block_n))
@@ -755,18 +753,13 @@ def _silu_mul_quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, M, inter, stride_x, stride_q, stride_s,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr,
 ):  # fmt: skip
-    # One program per (BLOCK_M rows, one K-group of the activation).
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    mask = (rows[:, None] < M) & (cols[None, :] < inter)
-    gate = x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
+    # The quantizer's tile of the activation [M, inter]; gate_up [M, 2·inter] gives it.
+    rows, cols, mask = row_group_tile(M, inter, GROUP, BLOCK_M)
+    gate = x_ptr + rows[:, None] * stride_x + cols[None, :]
     g = tl.load(gate, mask=mask, other=0.0)
     u = tl.load(gate + inter, mask=mask, other=0.0)
     act = silu_times(g, u).to(x_ptr.dtype.element_ty).to(tl.float32)
-    q, scale = quantize_row_groups(act, MIN_AMAX, QMAX)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
-             q.to(q_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-    tl.store(s_ptr + rows.to(tl.int64) * stride_s + tl.program_id(1), scale, mask=rows < M)
+    store_row_groups(act, q_ptr, s_ptr, rows, cols, mask, M, stride_q, stride_s, MIN_AMAX, QMAX)
 
 
 def silu_mul_quant_fp8(gate_up: torch.Tensor, group: int) -> QuantizedRows:
@@ -775,16 +768,7 @@ def silu_mul_quant_fp8(gate_up: torch.Tensor, group: int) -> QuantizedRows:
     rows, width = gate_up.shape
     if width % 2 or gate_up.stride(-1) != 1:
         raise ValueError(f"gate_up {tuple(gate_up.shape)} must be [R, 2I], unit-stride")
-    check_activation_group(group)
-    inter = width // 2
-    q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=gate_up.device)
-    scale = torch.empty((rows, cdiv(inter, group)), dtype=torch.float32, device=gate_up.device)
-    if rows:
-        block_m = 16 if group <= 128 else 4
-        _silu_mul_quant_fp8_kernel[(cdiv(rows, block_m), cdiv(inter, group))](
-            gate_up, q, scale, rows, inter, gate_up.stride(0), q.stride(0), scale.stride(0),
-            GROUP=group, BLOCK_M=block_m, MIN_AMAX=ACT_SCALE_MIN_AMAX, QMAX=FP8_MAX,
-        )  # fmt: skip
+    q, scale = launch_row_group_quant(_silu_mul_quant_fp8_kernel, gate_up, width // 2, group)
     return QuantizedRows(q, scale, gate_up.dtype)
 
 
