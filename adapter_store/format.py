@@ -12,6 +12,7 @@ CPU-only dependencies (torch, safetensors, json, hashlib) so both services can i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -80,6 +81,15 @@ def parse_tensor_name(name: str) -> tuple[int, str, LoraPart]:
     return int(match.group(1)), match.group(2), match.group(3)  # type: ignore[return-value]
 
 
+@functools.lru_cache(maxsize=16384)
+def _parse_module_key(key: str) -> tuple[int, str]:
+    """(layer, module) of a manifest key. Cached: every slot load reads its adapter's
+    ~200 keys, the same keys for every adapter of a model (H100 serving: 1.2 ms of regex
+    per load)."""
+    layer, module, _ = parse_tensor_name(f"{key}.lora_A")
+    return layer, module
+
+
 @dataclass
 class Manifest:
     """What a reader needs besides the tensors, plus provenance (the source PEFT config)."""
@@ -140,7 +150,7 @@ class Manifest:
     @property
     def modules(self) -> list[tuple[int, str]]:
         """(layer, module) of every module instance the adapter has."""
-        return [parse_tensor_name(f"{key}.lora_A")[:2] for key in self.module_ranks]
+        return [_parse_module_key(key) for key in self.module_ranks]
 
 
 @dataclass

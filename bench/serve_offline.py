@@ -102,6 +102,7 @@ def run_scenario(
     profile_steps: int = 0,
     profile_kind: str = "kernels",
     profile_from: tuple[int, int] = PROFILE_FROM,
+    timeline: bool = False,
 ) -> dict[str, Any]:
     """Submit `requests` at once, step until all finish; one result row.
 
@@ -141,9 +142,13 @@ def run_scenario(
     start = time.perf_counter()
     for seq in seqs:
         engine.add_request(seq)
+    entries: list[dict[str, Any]] = []
     while engine.has_work():
         began = time.perf_counter()
+        loads_before = slots.metrics().loads
         tokens = windows.step(engine, steps)
+        if timeline:
+            entries.append(timeline_entry(engine, began - start, began, tokens, loads_before))
         if tokens:
             steps += 1
             kind = kinds["decode" if tokens <= config.max_num_seqs else "prefill"]
@@ -186,6 +191,26 @@ def run_scenario(
         "failed": failed,
         "valid": complete and failed == 0,
         **({"profile": windows.summaries()} if profile_steps else {}),
+        **({"timeline": entries} if timeline else {}),
+    }
+
+
+def timeline_entry(
+    engine: LLMEngine, at_s: float, began: float, tokens: int, loads_before: int
+) -> dict[str, Any]:
+    """One engine step call: when it began (s after the first submission), its wall time,
+    the tokens it ran (0: nothing could run), and the state it left: running and waiting
+    requests, slot copies in flight, slot loads it started, adapters among the running."""
+    scheduler = engine.scheduler
+    return {
+        "at_s": at_s,
+        "seconds": time.perf_counter() - began,
+        "tokens": tokens,
+        "running": scheduler.num_running,
+        "waiting": scheduler.num_waiting,
+        "loads_in_flight": scheduler.num_loads_in_flight,
+        "loads_started": scheduler.slots.metrics().loads - loads_before,
+        "adapters_running": len({seq.adapter_key for seq in scheduler.running} - {None}),
     }
 
 
@@ -353,6 +378,11 @@ def main(argv: list[str] | None = None) -> None:
         help="kernels: torch profiler (GPU time by kernel class); host: cProfile (Python "
         "time per function, the launches included)",
     )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="each row lists every engine step call (time, tokens, queue, slot copies)",
+    )
     args = parser.parse_args(argv)
 
     config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=2)
@@ -424,6 +454,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.profile_steps,
                 args.profile_kind,
                 tuple(args.profile_from),
+                args.timeline,
             )
             longest = max(longest, row["seconds"])
             results["rows"].append(row)

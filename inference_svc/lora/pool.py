@@ -45,6 +45,7 @@ Two load paths, same result:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -69,6 +70,9 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 MIB = 1 << 20
+# Chunk views `_chunk_copies` keeps (slots × 2 staging halves × chunks per layout × ranks:
+# ~1200 for 64 slots of one V2-Lite layout); past this the cache starts over.
+MAX_CACHED_COPY_VIEWS = 8192
 
 
 def check_lora_budget(memory_gb: float | None, memory_fraction: float | None) -> None:
@@ -271,6 +275,8 @@ class LoraPool:
         self._copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
         # Per staging half, recorded on the side stream after the scatter that read it.
         self._half_free: list[torch.cuda.Event | None] = [None, None]
+        self._copy_views: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
+        self._group_layers = tuple(a_all.shape[0] for a_all, _ in self._groups)
 
     @classmethod
     def from_config(cls, shapes: Mapping[str, ModuleShape], config: LoraPoolConfig) -> LoraPool:
@@ -376,54 +382,66 @@ class LoraPool:
     def _load_packed(self, slot: int, adapter: PackedAdapter) -> None:
         """On the side stream: zero what the runs leave, then stage and scatter the chunks."""
         r = adapter.manifest.rank
-        covered: dict[tuple[int, str], int] = {}  # (group, part) -> layers in runs
-        for run in adapter.runs:
-            covered[run.group, run.part] = covered.get((run.group, run.part), 0) + run.count
+        plan = _load_plan(adapter.runs, self.staging_half, self._group_layers)
         for group, (a_all, b_all) in enumerate(self._groups):
-            layers = a_all.shape[0]
-            if covered.get((group, "lora_A")) == covered.get((group, "lora_B")) == layers:
+            if group in plan.whole_groups:
                 if r < self.max_rank:  # the runs write rank rows/columns :r only
                     _a_rank_rows(a_all[:, slot], self.max_rank)[..., r:, :].zero_()
                     b_all[:, slot, ..., r:].zero_()
             else:
                 a_all[:, slot].zero_()
                 b_all[:, slot].zero_()
-        for chunk in staging_chunks(adapter.runs, self.staging_half):
-            start, end = chunk[0].offset, chunk[-1].end
-            half, staged = self._stage(adapter.flat[start:end])
-            for run in chunk:
-                source = staged[run.offset - start : run.end - start]
-                self._scatter(slot, run, source.view(run.count, *run.layer_shape), r)
+        for start, end, pieces in plan.chunks:
+            half = self._stage(adapter.flat[start:end])
+            for dst, src in self._chunk_copies(slot, half, start, pieces, r):
+                dst.copy_(src)
             if self._stream is not None:
                 self._half_free[half] = self._stream.record_event()
 
-    def _stage(self, host: Tensor) -> tuple[int, Tensor]:
+    def _stage(self, host: Tensor) -> int:
         """Copy `host` into the next staging half (after the side stream's last read of
-        it); the side stream waits for the copy. Returns (half, its filled part)."""
+        it); the side stream waits for the copy. Returns the half."""
         half = self._next_half
         self._next_half ^= 1
         staged = self._staging[half][: host.numel()]
         if self._copy_stream is None or self._stream is None:
             staged.copy_(host)
-            return half, staged
+            return half
         free = self._half_free[half]
         if free is not None:
             self._copy_stream.wait_event(free)
         with torch.cuda.stream(self._copy_stream):
             staged.copy_(host, non_blocking=True)
         self._stream.wait_stream(self._copy_stream)
-        return half, staged
+        return half
 
-    def _scatter(self, slot: int, run: PackRun, source: Tensor, r: int) -> None:
-        """One run from staging into the slot: rows :r of each A slice, columns :r of B;
-        a leading expert dim of 1 is broadcast over the experts by copy_."""
-        a_all, b_all = self._groups[run.group]
-        layers = slice(run.first, run.first + run.count)
-        if run.part == "lora_A":
-            dst = _a_rank_rows(a_all[layers, slot], self.max_rank)[..., :r, :]
-            dst.copy_(source.unflatten(-2, (-1, r)))  # [L, (E,) stack, r, in]
-        else:
-            b_all[layers, slot, ..., :r].copy_(source)  # [L, (E,) out, r]
+    def _chunk_copies(
+        self, slot: int, half: int, start: int, pieces: tuple[PackRun, ...], r: int
+    ) -> list[tuple[Tensor, Tensor]]:
+        """(slot destination, staging source) views of one staged chunk's runs: rows :r of
+        each A slice, columns :r of B; a leading expert dim of 1 is broadcast over the
+        experts by copy_. Cached: making the views cost more host time than launching the
+        copies (H100 serving: ~1.4 ms per 582 MB adapter, with the engine thread waiting)."""
+        key = (slot, half, start, pieces, r)
+        copies = self._copy_views.get(key)
+        if copies is not None:
+            return copies
+        staged = self._staging[half]
+        copies = []
+        for piece in pieces:
+            a_all, b_all = self._groups[piece.group]
+            layers = slice(piece.first, piece.first + piece.count)
+            source = staged[piece.offset - start : piece.end - start]
+            source = source.view(piece.count, *piece.layer_shape)
+            if piece.part == "lora_A":
+                dst = _a_rank_rows(a_all[layers, slot], self.max_rank)[..., :r, :]
+                copies.append((dst, source.unflatten(-2, (-1, r))))  # [L, (E,) stack, r, in]
+            else:
+                copies.append((b_all[layers, slot, ..., :r], source))  # [L, (E,) out, r]
+        if len(self._copy_views) >= MAX_CACHED_COPY_VIEWS:
+            self._copy_views.clear()
+        self._copy_views[key] = copies
+        return copies
 
     def _load_tensors(self, slot: int, adapter: CanonicalAdapter) -> None:
         """On the side stream: zero the slot, then one copy per layer × module × slice."""
@@ -479,6 +497,36 @@ class LoraPool:
         event = torch.cuda.Event()
         event.record(self._stream)
         return event
+
+
+@dataclass(frozen=True)
+class _LoadPlan:
+    """How a packed layout (its runs) is staged: (start, end, runs cut to the chunk) per
+    staging chunk, and the groups whose every layer the runs fill (A and B)."""
+
+    chunks: tuple[tuple[int, int, tuple[PackRun, ...]], ...]
+    whole_groups: frozenset[int]
+
+
+@functools.lru_cache(maxsize=64)
+def _load_plan(
+    runs: tuple[PackRun, ...], capacity: int, group_layers: tuple[int, ...]
+) -> _LoadPlan:
+    """The `_LoadPlan` of `runs` for staging halves of `capacity` elements and groups of
+    `group_layers` layers. Cached: every adapter of one layout (rank, modules) has the
+    same runs, and planning them cost ~0.9 ms of host time per load."""
+    covered: dict[tuple[int, str], int] = {}  # (group, part) -> layers in runs
+    for run in runs:
+        covered[run.group, run.part] = covered.get((run.group, run.part), 0) + run.count
+    whole = frozenset(
+        group
+        for group, layers in enumerate(group_layers)
+        if covered.get((group, "lora_A")) == covered.get((group, "lora_B")) == layers
+    )
+    chunks = tuple(
+        (chunk[0].offset, chunk[-1].end, tuple(chunk)) for chunk in staging_chunks(runs, capacity)
+    )
+    return _LoadPlan(chunks, whole)
 
 
 def _part_fits(shape: ModuleShape, part: LoraPart, tensor_shape: Sequence[int], r: int) -> bool:

@@ -43,6 +43,26 @@ def test_serve_offline_smoke_with_moe_lora_in_the_gemm(tmp_path: Path, monkeypat
         assert row["output_tokens"] == row["requests"] * results["meta"]["output_len"]
 
 
+def test_serve_offline_timeline(tmp_path: Path) -> None:
+    """`--timeline`: every engine step call, in order; the ones that ran tokens add up to
+    the row's steps and tokens, and the slot loads they started to the row's loads."""
+    out = tmp_path / "serve_offline_timeline.json"
+    serve_offline.main(["--out", str(out), "--smoke", "--timeline"])
+    results = json.loads(out.read_text())
+    for row in results["rows"]:
+        entries = row["timeline"]
+        assert [e["at_s"] for e in entries] == sorted(e["at_s"] for e in entries)
+        ran = [e for e in entries if e["tokens"] > 0]
+        assert len(ran) == row["steps"]
+        prompts = row["requests"] * results["meta"]["prompt_len"]
+        assert sum(e["tokens"] for e in ran) == prompts + row["output_tokens"] - row["requests"]
+        assert sum(e["loads_started"] for e in entries) == row["slot_loads"]
+        assert entries[-1]["running"] == entries[-1]["waiting"] == 0
+        assert all(e["loads_in_flight"] >= 0 and e["seconds"] > 0 for e in entries)
+    zipf = next(row for row in results["rows"] if row["scenario"] == "N=8 zipf")
+    assert max(e["adapters_running"] for e in zipf["timeline"]) >= 2
+
+
 def test_serve_offline_profile_windows(tmp_path: Path) -> None:
     out = tmp_path / "serve_offline_profile.json"
     serve_offline.main(["--out", str(out), "--smoke", "--profile-steps", "2"])

@@ -61,7 +61,9 @@ def binding(name: str) -> AdapterBinding:
     return AdapterBinding("default", name, 1, 4, "0" * 64, 1000, "tiny")
 
 
-def make_scheduler(num_slots=2, num_pages=64, max_num_seqs=8, budget=64, page_size=4):
+def make_scheduler(
+    num_slots=2, num_pages=64, max_num_seqs=8, budget=64, page_size=4, max_loads_in_flight=8
+):
     metrics = InferenceMetrics()
     pool_config = LoraPoolConfig(8, dtype=torch.float32, device="cpu", max_loras=num_slots)
     pool = LoraPool(model_lora_shapes(HF_CONFIG), num_slots, pool_config)
@@ -76,6 +78,7 @@ def make_scheduler(num_slots=2, num_pages=64, max_num_seqs=8, budget=64, page_si
         max_model_len=256,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
+        max_loads_in_flight=max_loads_in_flight,
     )
     scheduler = Scheduler(config, LoraSlotAllocator(num_slots), residency, metrics)
     return scheduler, source, fetched
@@ -175,6 +178,21 @@ class InFlight:
         return self.landed
 
 
+def copies_in_flight(scheduler: Scheduler, monkeypatch) -> list[InFlight]:  # type: ignore[no-untyped-def]
+    """Make every slot copy the scheduler starts an `InFlight` (it lands on `land()`); the
+    returned list gets them in the order they start."""
+    in_flight: list[InFlight] = []
+    load_into_slot = scheduler.residency.load_into_slot
+
+    def issued(slot, key):  # type: ignore[no-untyped-def]
+        copy = InFlight()
+        in_flight.append(copy)
+        return dataclasses.replace(load_into_slot(slot, key), load=copy)
+
+    monkeypatch.setattr(scheduler.residency, "load_into_slot", issued)
+    return in_flight
+
+
 def test_slot_copy_in_flight_holds_up_only_its_own_requests(monkeypatch) -> None:
     """An adapter whose host→GPU copy is still running: its requests start in the first
     step after the copy landed, and the others run meanwhile (the engine makes no step
@@ -239,15 +257,7 @@ def test_adapters_beyond_the_slots_with_copies_in_flight_all_run(monkeypatch) ->
     evicting the copies in flight, and no request ever started: 5457 loads in 60 s on the
     H100's N=1000 offline scenario.)"""
     scheduler, _, _ = make_scheduler(num_slots=2)
-    in_flight: list[InFlight] = []
-    load_into_slot = scheduler.residency.load_into_slot
-
-    def issued(slot, key):  # type: ignore[no-untyped-def]
-        copy = InFlight()
-        in_flight.append(copy)
-        return dataclasses.replace(load_into_slot(slot, key), load=copy)
-
-    monkeypatch.setattr(scheduler.residency, "load_into_slot", issued)
+    in_flight = copies_in_flight(scheduler, monkeypatch)
     seqs = [seq(f"b{i}", max_new=3) for i in range(5)]
     for s in seqs:
         scheduler.add(s)
@@ -264,6 +274,37 @@ def test_adapters_beyond_the_slots_with_copies_in_flight_all_run(monkeypatch) ->
     metrics = scheduler.slots.metrics()
     assert metrics.loads <= 2 * len(seqs), metrics  # each adapter loaded about once
     assert metrics.referenced == 0  # the copies' references were given back
+
+
+def test_slot_copies_in_flight_are_capped(monkeypatch) -> None:
+    """Six adapters waiting, free slots for all, at most 3 copies in flight: the first three
+    start, the next ones only as those land, and every request runs (on the H100, 64 copies
+    started at once filled the launch queue and held the engine thread 424 ms)."""
+    scheduler, _, _ = make_scheduler(num_slots=8, max_loads_in_flight=3)
+    in_flight = copies_in_flight(scheduler, monkeypatch)
+    seqs = [seq(f"c{i}", max_new=2) for i in range(6)]
+    for s in seqs:
+        scheduler.add(s)
+    for _ in range(200):  # every download lands; only the first copies start
+        assert not scheduler.schedule().scheduled
+        if not any(scheduler.residency.fetching()) and len(in_flight) == 3:
+            break
+        threading.Event().wait(0.01)
+    assert not any(scheduler.residency.fetching())
+    assert len(in_flight) == 3
+    in_flight[0].land()
+    out = scheduler.schedule()
+    assert len(out.scheduled) == 1  # the landed adapter's request
+    assert len(in_flight) == 4  # and one more copy in its place
+    complete(scheduler, out)
+    for _ in range(100):
+        if not scheduler.has_work():
+            break
+        for copy in in_flight:
+            copy.land()
+        complete(scheduler, scheduler.schedule())
+    assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)
+    assert len(in_flight) == 6
 
 
 def test_unload_refused_while_the_slot_copy_is_in_flight(monkeypatch) -> None:

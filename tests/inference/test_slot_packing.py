@@ -173,6 +173,27 @@ def test_packed_load_equals_the_canonical_tensors(layout, rank, staging_bytes) -
     assert_slot_empty(pool, 2)
 
 
+def test_loads_of_one_layout_reuse_their_plan_and_views() -> None:
+    """The load plan and the chunks' views are cached per layout, slot and staging half:
+    adapters of one layout loaded in turn into the same and other slots (both halves, many
+    chunks) each land whole, and a second round reuses the cached views."""
+    pool = _pool(staging_bytes=1)
+    adapters = [random_adapter(CONFIG, 8, seed=seed) for seed in (11, 12, 13)]
+    for round_ in range(2):
+        for slot, adapter in [
+            (1, adapters[0]),
+            (1, adapters[1]),
+            (2, adapters[2]),
+            (0, adapters[1]),
+        ]:
+            pool.load(slot, pool.packing.pack(adapter))
+            assert_slot_holds(pool, slot, adapter)
+        cached = len(pool._copy_views)
+        if round_ == 0:
+            first_round = cached
+    assert cached == first_round > 0  # the second round made no new views
+
+
 def test_packed_reload_zeroes_what_the_new_adapter_leaves() -> None:
     pool = _pool()
     pool.load(0, pool.packing.pack(random_adapter(CONFIG, MAX_RANK, seed=3)))
