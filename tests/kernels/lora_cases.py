@@ -82,14 +82,17 @@ def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype) -> None:
 
 
 def sgmv_case(  # type: ignore[no-untyped-def]
-    popularity, num_tokens, in_dim, slice_offsets, pool_rank, dtype, seed, poison=0.0
-):
-    """(segments, x [T, in], A, B, base out [T, out]) of a 5-slot pool with mixed ranks."""
+    popularity, num_tokens, in_dim, slice_offsets, pool_rank, dtype, seed, poison=0.0,
+    max_seg_len=16,
+):  # fmt: skip
+    """(segments of at most `max_seg_len` tokens, x [T, in], A, B, base out [T, out]) of a
+    5-slot pool with mixed ranks."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     num_slots, num_slices = 5, len(slice_offsets) - 1
     ranks = mixed_ranks(num_slots, pool_rank, gen)
-    segs = build_lora_segments(popular_slots(popularity, num_tokens, num_slots, gen), ranks)
+    slots = popular_slots(popularity, num_tokens, num_slots, gen)
+    segs = build_lora_segments(slots, ranks, max_seg_len=max_seg_len)
     x = torch.randn(num_tokens, in_dim).to(dtype)
     A = pool_A(ranks, num_slices, pool_rank, in_dim, poison).to(dtype)
     B = pool_B(ranks, slice_offsets[-1], pool_rank, poison).to(dtype)

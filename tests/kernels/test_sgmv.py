@@ -89,6 +89,23 @@ def test_split_k_prefill_segments_and_rank_below_block(dtype, variants) -> None:
 
 
 @pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
+@pytest.mark.parametrize("popularity", ["skewed", "distinct"])
+def test_prefill_tiles_of_64_tokens(popularity, variants) -> None:  # type: ignore[no-untyped-def]
+    """64-token tiles (`max_seg_len=64`; measured for prefill steps, not used by serving):
+    150-token runs cut into 64-token segments, and short runs in mostly empty tiles."""
+    shrink_v, expand_v = variants
+    case = sgmv_case(popularity, 150, 300, QKV_A_SLICES, 16, torch.float32, 3, max_seg_len=64)
+    segs, x, A, B, out = case
+    assert segs.max_seg_len == 64
+    y = sgmv_shrink(x, A, segs, 2, variant=shrink_v)
+    y_ref = sgmv_shrink_ref(x, A, segs, 2)
+    assert_close(y, y_ref, torch.float32)
+    expected = sgmv_expand_ref(y_ref, B, out.clone(), segs, QKV_A_SLICES)
+    got = sgmv_expand(y, B, out, segs, QKV_A_SLICES, variant=expand_v)
+    assert_close(got, expected, torch.float32)
+
+
+@pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
 def test_grid_sized_for_capacity_with_few_live_segments(variants, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """What a CUDA-graph replay sees: a grid planned for 48 segments of capacity, 4 live ones
     (the planned kernels read the live count on the device; v1 runs empty programs)."""
@@ -183,15 +200,19 @@ def test_launchers_reject_mismatched_shapes() -> None:
 @pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize(
-    "num_tokens,in_dim,pool_rank", [(1, 7168, 16), (64, 7168, 64), (300, 2048, 16)]
+    "num_tokens,in_dim,pool_rank,seg_len",
+    [(1, 7168, 16, 16), (64, 7168, 64, 16), (300, 2048, 16, 16), (700, 2048, 16, 64)],
 )
-def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank, variants) -> None:  # type: ignore[no-untyped-def]
+def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank, seg_len, variants) -> None:  # type: ignore[no-untyped-def]
     slices = [0, 1536, 1536 + 576]
     segs, x, A, B, out = sgmv_case(
         popularity, num_tokens, in_dim, slices, pool_rank, torch.bfloat16, 7
     )
     segs = build_lora_segments(
-        segs.token_slot[: segs.num_tokens].tolist(), segs.slot_rank, device="cuda"
+        segs.token_slot[: segs.num_tokens].tolist(),
+        segs.slot_rank,
+        max_seg_len=seg_len,
+        device="cuda",
     )
     x, A, B, out = (t.cuda() for t in (x, A, B, out))
     shrink_v, expand_v = variants
