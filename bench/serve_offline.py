@@ -145,7 +145,7 @@ def run_scenario(
     entries: list[dict[str, Any]] = []
     while engine.has_work():
         began = time.perf_counter()
-        loads_before = slots.metrics().loads
+        loads_before = slots.metrics().loads if timeline else 0
         tokens = windows.step(engine, steps)
         if timeline:
             entries.append(timeline_entry(engine, began - start, began, tokens, loads_before))

@@ -54,8 +54,14 @@ class SchedulerConfig:
     max_loads_in_flight: int = 8
 
     def __post_init__(self) -> None:
-        names = ("num_pages", "page_size", "max_model_len", "max_num_seqs", "max_waiting")
-        for name in (*names, "max_loads_in_flight"):
+        for name in (
+            "num_pages",
+            "page_size",
+            "max_model_len",
+            "max_num_seqs",
+            "max_waiting",
+            "max_loads_in_flight",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
