@@ -99,6 +99,9 @@ PATCHES = {
     "router_input": (model_module, "ROUTER_INPUT_FROM_NORM", False),
     # Decode batches of up to 4096 pairs aligned by one program (before 512-pair chunks).
     "align_chunks": (fm, "MAX_SINGLE_PROGRAM_PAIRS", 4096),
+    # The shared experts after the routed experts on the step's stream (before they ran on
+    # their own stream beside them).
+    "shared_stream": (model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS", {"base": 0, "lora": 0}),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {

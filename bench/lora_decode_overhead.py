@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
 from inference_svc.lora import apply
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.model.config import parse_config
-from inference_svc.models.deepseek_v3 import DeepseekV3Model
+from inference_svc.models import deepseek_v3 as model_module
 from kernels.lora_segments import build_lora_segments
 from kernels.moe_lora import moe_lora_down, moe_lora_gate_up
 from kernels.sgmv import sgmv_shrink
@@ -68,47 +69,55 @@ def _no_side_stream(device: torch.device) -> None:
     return None
 
 
-# Kernel sets: name in inference_svc.lora.apply -> what it is replaced with (a launcher,
-# or a setting such as MOE_LORA_IN_GEMM).
+# Kernel sets: (module, attribute) -> what it is replaced with (a launcher, or a setting
+# such as MOE_LORA_IN_GEMM); `apply` is inference_svc.lora.apply.
 # v1: the MoE LoRA "runs" kernels, every LoRA kernel on the step's stream; serial: today's
 # kernels, every LoRA kernel on the step's stream; new: the defaults (linear modules'
-# shrinks on the side stream, beside the base matmuls).
-KERNEL_SETS: dict[str, dict[str, Any]] = {
+# shrinks on the side stream, beside the base matmuls; the shared experts beside the routed).
+# No step runs the shared experts on their own stream.
+NEVER = {"base": 0, "lora": 0}
+KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
     "v1": {
-        "moe_lora_gate_up": functools.partial(moe_lora_gate_up, variant="runs"),
-        "moe_lora_down": functools.partial(moe_lora_down, variant="runs"),
-        "lora_side_stream": _no_side_stream,
+        (apply, "moe_lora_gate_up"): functools.partial(moe_lora_gate_up, variant="runs"),
+        (apply, "moe_lora_down"): functools.partial(moe_lora_down, variant="runs"),
+        (apply, "lora_side_stream"): _no_side_stream,
+        (model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS"): NEVER,
     },
-    "serial": {"lora_side_stream": _no_side_stream},
+    "serial": {
+        (apply, "lora_side_stream"): _no_side_stream,
+        (model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS"): NEVER,
+    },
     "new": {},
+    # The defaults with the shared experts after the routed experts, on the step's stream.
+    "shared_serial": {(model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS"): NEVER},
     # The defaults with the MoE LoRA "runs" kernels at every batch: pairs walked in the
     # base MoE's expert order, one read of each (adapter, expert) key per block of pairs.
     "moe_runs": {
-        "moe_lora_gate_up": functools.partial(moe_lora_gate_up, variant="runs"),
-        "moe_lora_down": functools.partial(moe_lora_down, variant="runs"),
+        (apply, "moe_lora_gate_up"): functools.partial(moe_lora_gate_up, variant="runs"),
+        (apply, "moe_lora_down"): functools.partial(moe_lora_down, variant="runs"),
     },
     # The routed experts' LoRA expand always after the grouped GEMM (the defaults before the
     # GEMM epilogue: "pairs" at decode, "runs" at prefill), or always in its epilogue.
-    "moe_after": {"MOE_LORA_IN_GEMM": "never"},
-    "moe_in_gemm": {"MOE_LORA_IN_GEMM": "always"},
+    "moe_after": {(apply, "MOE_LORA_IN_GEMM"): "never"},
+    "moe_in_gemm": {(apply, "MOE_LORA_IN_GEMM"): "always"},
     # The linear modules' shrinks with fewer K splits (fewer float32 atomics).
-    "shrink_p2": {"sgmv_shrink": functools.partial(sgmv_shrink, variant="planned_p2")},
-    "shrink_p1": {"sgmv_shrink": functools.partial(sgmv_shrink, variant="planned_p1")},
+    "shrink_p2": {(apply, "sgmv_shrink"): functools.partial(sgmv_shrink, variant="planned_p2")},
+    "shrink_p1": {(apply, "sgmv_shrink"): functools.partial(sgmv_shrink, variant="planned_p1")},
 }
 
 
 @contextlib.contextmanager
 def kernel_set(name: str) -> Iterator[None]:
-    """Route the model's LoRA deltas through the launchers of set `name`."""
+    """Route the model's LoRA deltas through the launchers (and settings) of set `name`."""
     chosen = KERNEL_SETS[name]
-    saved = {attr: getattr(apply, attr) for attr in chosen}
-    for attr, replacement in chosen.items():
-        setattr(apply, attr, replacement)
+    saved = {target: getattr(*target) for target in chosen}
+    for (module, attr), replacement in chosen.items():
+        setattr(module, attr, replacement)
     try:
         yield
     finally:
-        for attr, launcher in saved.items():
-            setattr(apply, attr, launcher)
+        for (module, attr), value in saved.items():
+            setattr(module, attr, value)
 
 
 def v2_lite_config(layers: int, smoke: bool = False) -> dict[str, Any]:
@@ -123,7 +132,7 @@ class Setup:
     num_slots: int
 
     @property
-    def model(self) -> DeepseekV3Model:
+    def model(self) -> model_module.DeepseekV3Model:
         return self.runner.model
 
 

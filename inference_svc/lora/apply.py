@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from inference_svc.lora.streams import lora_side_stream
+from inference_svc.layers.streams import lora_side_stream
 from kernels.lora_segments import LoraSegments
 from kernels.mla_lora import (
     mla_kv_b_lora_o,

@@ -63,25 +63,46 @@ def test_cuda_graph_decode_replay_with_lora_equals_eager(tiny_model_dirs, dtype,
 
 
 @pytest.mark.parametrize("graphs", [(), (1, 2, 4, 8)], ids=["eager", "graphs"])
-def test_side_stream_shrinks_equal_the_same_kernels_in_order(tiny_model_dirs, monkeypatch, graphs):
-    """The linear modules' shrinks on the LoRA side stream (the default) compute exactly
-    what the same kernels give on the step's own stream: a missing join would read a
-    half-written y and show up here, eager and in graph replays."""
+@pytest.mark.parametrize("side", ["lora", "shared_experts"])
+def test_side_streams_equal_the_same_kernels_in_order(tiny_model_dirs, monkeypatch, graphs, side):
+    """Work forked onto a side stream (the default) computes exactly what the same kernels
+    give on the step's own stream, eager and in graph replays: the linear modules' shrinks
+    ("lora") and the shared experts' MLP beside the routed experts ("shared_experts"). A
+    missing join would read a half-written y or shared-expert output and show up here."""
+    from inference_svc.layers import moe
+    from inference_svc.layers.streams import shared_experts_stream
     from inference_svc.lora import apply
+    from inference_svc.models import deepseek_v3
 
-    folder = tiny_model_dirs[SPEC]
+    serial = {
+        "lora": (apply, "lora_side_stream", lambda device: None),
+        "shared_experts": (deepseek_v3, "SHARED_EXPERTS_STREAM_MAX_TOKENS", {"base": 0, "lora": 0}),
+    }[side]
+    mlp_forward = moe.DenseMLP.forward
+    mlp_streams = []
+
+    def recorded(self, x, lora=None):  # type: ignore[no-untyped-def]
+        mlp_streams.append(torch.cuda.current_stream(x.device))
+        return mlp_forward(self, x, lora)
+
+    monkeypatch.setattr(moe.DenseMLP, "forward", recorded)
+    shared_stream = shared_experts_stream(torch.device("cuda"))
     tokens = random_tokens([9, 12, 7, 10, 11], seed=25)
     slots = [1, 1, -1, 3, 1]
-    runs = []
-    for side_stream in (True, False):
-        if not side_stream:
-            monkeypatch.setattr(apply, "lora_side_stream", lambda device: None)
-        runner, _ = _adapted_runner(folder, torch.bfloat16, cuda_graph_sizes=graphs)
+    runs, forked = [], []
+    for overlapped in (True, False):
+        if not overlapped:
+            monkeypatch.setattr(*serial)
+        mlp_streams.clear()
+        runner, _ = _adapted_runner(folder=tiny_model_dirs[SPEC], dtype=torch.bfloat16,
+                                    cuda_graph_sizes=graphs)  # fmt: skip
         scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
         scenario.run([4, 5, 3, 6, 2])
         runs.append(scenario.seqs)
-    for overlapped, serial in zip(*runs, strict=True):
-        assert torch.equal(torch.stack(overlapped.logprobs), torch.stack(serial.logprobs))
+        forked.append(any(stream == shared_stream for stream in mlp_streams))
+    assert forked == [True, side == "lora"], forked
+    for overlapped, serial_seq in zip(*runs, strict=True):
+        assert torch.equal(torch.stack(overlapped.logprobs), torch.stack(serial_seq.logprobs))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
