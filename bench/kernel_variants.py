@@ -101,7 +101,10 @@ PATCHES = {
     "align_chunks": (fm, "MAX_SINGLE_PROGRAM_PAIRS", 4096),
     # The shared experts after the routed experts on the step's stream (before they ran on
     # their own stream beside them).
-    "shared_stream": (model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS", {"base": 0, "lora": 0}),
+    "shared_stream": (model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS", 0),
+    # The shared experts forked before the router runs at every batch (before the router
+    # ran first from 2 tokens).
+    "route_first": (model_module, "ROUTE_BEFORE_FORK_MIN_TOKENS", 2**31),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {

@@ -74,22 +74,22 @@ def _no_side_stream(device: torch.device) -> None:
 # v1: the MoE LoRA "runs" kernels, every LoRA kernel on the step's stream; serial: today's
 # kernels, every LoRA kernel on the step's stream; new: the defaults (linear modules'
 # shrinks on the side stream, beside the base matmuls; the shared experts beside the routed).
-# No step runs the shared experts on their own stream.
-NEVER = {"base": 0, "lora": 0}
 KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
     "v1": {
         (apply, "moe_lora_gate_up"): functools.partial(moe_lora_gate_up, variant="runs"),
         (apply, "moe_lora_down"): functools.partial(moe_lora_down, variant="runs"),
         (apply, "lora_side_stream"): _no_side_stream,
-        (model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS"): NEVER,
+        (model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS"): 0,
     },
     "serial": {
         (apply, "lora_side_stream"): _no_side_stream,
-        (model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS"): NEVER,
+        (model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS"): 0,
     },
     "new": {},
     # The defaults with the shared experts after the routed experts, on the step's stream.
-    "shared_serial": {(model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS"): NEVER},
+    "shared_serial": {(model_module, "SHARED_EXPERTS_STREAM_MAX_TOKENS"): 0},
+    # The defaults with the shared experts forked before the router runs, at every batch.
+    "fork_first": {(model_module, "ROUTE_BEFORE_FORK_MIN_TOKENS"): 2**31},
     # The defaults with the MoE LoRA "runs" kernels at every batch: pairs walked in the
     # base MoE's expert order, one read of each (adapter, expert) key per block of pairs.
     "moe_runs": {

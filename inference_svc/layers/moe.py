@@ -10,6 +10,8 @@ activation and to the down output before the weighted combine.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -113,6 +115,15 @@ class RoutedExperts(nn.Module):
         return self.quant.quant_info(self.w13), self.quant.quant_info(self.w2)
 
 
+class MoeRouting(NamedTuple):
+    """The router's choice for a batch: weights [T, k] float32, ids [T, k] int64, and the
+    (token, expert) pairs aligned into the grouped GEMMs' row tiles."""
+
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    align: fm.MoEAlignment
+
+
 class MoE(nn.Module):
     """Routed experts: route → align → gate_up → SiLU·mul → down → combine."""
 
@@ -126,23 +137,36 @@ class MoE(nn.Module):
         self.lora_gate_up: LoraWeights | None = None
         self.lora_down: LoraWeights | None = None
 
+    def route(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> MoeRouting:
+        """x [T, hidden] → each token's experts and weights, and the pairs aligned for the
+        grouped GEMMs. x_float: x as float32 for the router, when the caller made it."""
+        topk_weights, topk_ids = self.gate(x, x_float)  # [T, k]
+        w13 = self.experts.quant_info()[0]
+        scheme = fm.weight_scheme(w13.scheme, w13.scale)
+        num_experts = self.experts.num_experts
+        block_m = fm.moe_block_m(topk_ids.numel(), num_experts, scheme)
+        align = (fm.moe_align if x.is_cuda else fm.moe_align_ref)(topk_ids, num_experts, block_m)
+        return MoeRouting(topk_weights, topk_ids, align)
+
     def forward(
         self,
         x: torch.Tensor,
         lora: LoraSegments | None = None,
         combine: bool = True,
         x_float: torch.Tensor | None = None,
+        routing: MoeRouting | None = None,
     ) -> torch.Tensor | RoutedPairs:
         """x [T, hidden] → [T, hidden]; with `combine` False the per-pair outputs and their
         weights instead, for a caller that folds the weighted combine into its next launch.
-        x_float: x as float32 for the router, when the caller made it."""
-        topk_weights, topk_ids = self.gate(x, x_float)  # [T, k]
+        x_float: x as float32 for the router, when the caller made it; routing: `route`'s
+        result for x, when the caller routed already."""
+        if routing is None:
+            routing = self.route(x, x_float)
+        topk_weights, topk_ids, align = routing
         w13, w2 = self.experts.quant_info()
         triton_path = x.is_cuda
         num_experts = self.experts.num_experts
         scheme = fm.weight_scheme(w13.scheme, w13.scale)
-        block_m = fm.moe_block_m(topk_ids.numel(), num_experts, scheme)
-        align = (fm.moe_align if triton_path else fm.moe_align_ref)(topk_ids, num_experts, block_m)
         gemm = fm.grouped_gemm if triton_path else fm.grouped_gemm_ref
         top_k = topk_ids.shape[1]
         with_lora = (

@@ -25,16 +25,22 @@ Addends = tuple[torch.Tensor | RoutedPairs, ...]
 # Whether the MoE's router reads a float32 copy of its input made by the norm (bench patch
 # "router_input" turns it off: the router converts, one launch per MoE layer).
 ROUTER_INPUT_FROM_NORM = True
-# Largest step whose shared experts run on their own stream, beside the routed experts, by
-# whether the step has LoRA work. In a decode-sized step the routed experts' grouped GEMMs
-# stream the experts' weights for hundreds of µs while the shared MLP is a chain of small
-# launches (two matmuls, SiLU·mul, with LoRA each module's shrink and expand): side by side,
-# the chain's latency hides behind the routed bytes, but its matmuls wait for SMs the
-# grouped GEMM holds. H100, 8-layer V2-Lite-shaped step (bench.lora_decode_overhead v12,
-# side by side against both on one stream): without LoRA −67 / −17 / +30 / +66 µs at B = 1 /
-# 64 / 128 / 256; with 32 rank-16 adapters −100 / −117 / −63 / −66 µs. Longer steps fill
-# the GPU with either branch alone, and eager steps would pay host time for the fork.
-SHARED_EXPERTS_STREAM_MAX_TOKENS = {"base": 64, "lora": 256}
+# Largest step whose shared experts run on their own stream, beside the routed experts. In a
+# decode-sized step the routed experts' grouped GEMMs stream the experts' weights for
+# hundreds of µs while the shared MLP is a chain of small launches (two matmuls, SiLU·mul,
+# with LoRA each module's shrink and expand): side by side, the chain's latency hides
+# behind the routed bytes. H100, 8-layer V2-Lite-shaped step, graphs (bench.
+# lora_decode_overhead v14, against both on one stream): −39 / −37 / −54 / −27 µs without
+# LoRA at B = 1 / 64 / 128 / 256, −105 / −138 / −140 / −141 µs with 32 rank-16 adapters.
+# Longer steps are eager (the fork and join cost host time) and unmeasured.
+SHARED_EXPERTS_STREAM_MAX_TOKENS = 256
+# Smallest step whose router launches (its float32 GEMM, the selection, the alignment) run
+# before the fork rather than beside the shared experts. From 2 tokens cuBLAS runs the
+# router GEMM as a split-K SIMT kernel, which waited for SMs beside the shared matmuls (6 →
+# 26 µs per layer at B = 64); a single token's is a GEMV that runs beside them unharmed.
+# H100, 27-layer base step (bench.model_decode v12), route first ÷ fork first: B = 1
+# 3.387 / 3.266 ms, 64: 13.69 / 13.68, 128: 15.45 / 15.85, 256: 16.84 / 17.23.
+ROUTE_BEFORE_FORK_MIN_TOKENS = 2
 
 
 class DecoderLayer(nn.Module):
@@ -84,10 +90,12 @@ class DecoderLayer(nn.Module):
         if self.mlp is None:
             return h, (self.moe(x, lora, combine=False, x_float=x_float),)
         side = shared_experts_stream(x.device)
-        max_tokens = SHARED_EXPERTS_STREAM_MAX_TOKENS["base" if lora is None else "lora"]
-        if side is None or x.shape[0] > max_tokens:
+        if side is None or x.shape[0] > SHARED_EXPERTS_STREAM_MAX_TOKENS:
             routed = self.moe(x, lora, combine=False, x_float=x_float)
             return h, (routed, self.mlp(x, lora))
+        routing = None
+        if x.shape[0] >= ROUTE_BEFORE_FORK_MIN_TOKENS:
+            routing = self.moe.route(x, x_float)
         # Memory stays ordered without record_stream: x is freed on this stream after the
         # join below, and `shared` (made on the side stream) is read by the next norm on
         # this stream before the side stream next forks from it and could reuse its block.
@@ -95,7 +103,7 @@ class DecoderLayer(nn.Module):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             shared = self.mlp(x, lora)
-        routed = self.moe(x, lora, combine=False, x_float=x_float)
+        routed = self.moe(x, lora, combine=False, x_float=x_float, routing=routing)
         main.wait_stream(side)
         return h, (routed, shared)
 

@@ -76,7 +76,7 @@ def test_side_streams_equal_the_same_kernels_in_order(tiny_model_dirs, monkeypat
 
     serial = {
         "lora": (apply, "lora_side_stream", lambda device: None),
-        "shared_experts": (deepseek_v3, "SHARED_EXPERTS_STREAM_MAX_TOKENS", {"base": 0, "lora": 0}),
+        "shared_experts": (deepseek_v3, "SHARED_EXPERTS_STREAM_MAX_TOKENS", 0),
     }[side]
     mlp_forward = moe.DenseMLP.forward
     mlp_streams = []
@@ -120,7 +120,7 @@ def test_moe_lora_in_the_gemm_epilogue_equals_the_kernels_after_it(
     forward = moe.MoE.forward
     diffs, effects = [], []
 
-    def both_paths(self, x, lora=None, combine=True, x_float=None):  # type: ignore[no-untyped-def]
+    def both_paths(self, x, lora=None, combine=True, x_float=None, routing=None):  # type: ignore[no-untyped-def]
         # Always combined: the decoder layer adds a tensor addend as it adds RoutedPairs.
         out = {}
         for where in ("always", "never"):
