@@ -117,11 +117,15 @@ def _mla_decode_kernel(
     tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
 
 
-# Latent columns per merge program: at batch 1 (64 splits, 16 heads) 64 programs instead of
-# 16, each loading its splits' partials as one tile rather than walking them in turn.
-MERGE_BLOCK_C = 128
-# Splits one merge program loads at once (the most either decode kernel makes).
-MERGE_MAX_SPLITS = v3.MAX_SPLITS
+# Splits a merge program loads per step, as one [chunk, BLOCK_C] tile of partials rather
+# than one row at a time: all of them where there are many (batches of ≤ 8 make 33-64
+# splits), 8 otherwise (≤ 16 splits; a tile of mostly masked rows cost more than it saved
+# there). Two compiled variants, both met by the graph capture's batch sizes.
+MERGE_SPLIT_CHUNKS = (8, 64)
+# Programs below which the merge cuts a head's latent columns into 128-wide blocks (batch 1:
+# 16 heads are 16 programs otherwise); from there one program takes the whole row.
+MERGE_MIN_PROGRAMS = 264
+MERGE_NARROW_BLOCK_C = 128
 
 
 # Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
@@ -129,28 +133,40 @@ MERGE_MAX_SPLITS = v3.MAX_SPLITS
 def _mla_decode_merge_kernel(
     o_part_ptr, lse_part_ptr, out_ptr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, num_splits,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_CHUNK: tl.constexpr, num_splits,
 ):  # fmt: skip
     """out[b, h, column block] = Σ_s w_s · o_part[b, h, s] / Σ_s w_s, w_s = exp(lse_s − max)."""
     b, h, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < num_splits
+    lse_row = lse_part_ptr + b * stride_lb + h * stride_lh
+    offs_chunk = tl.arange(0, SPLIT_CHUNK)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
-    lse = tl.load(
-        lse_part_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf")
-    )  # [s]
-    lse_max = tl.max(lse, axis=0)
+    # Typed loop-carried values: the split count is a run-time loop bound.
+    lse_max = tl.full([], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        offs_s = s0 + offs_chunk
+        lse = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, tl.max(lse, axis=0))
     # Every split empty (context 0): the weights below are all 0 and o_lat is 0.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.exp(lse - lse_max)  # [s], 0 for empty splits (lse = -inf)
-    total = tl.sum(weight, axis=0)
-    part = tl.load(
-        o_part_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_c[None, :],
-        mask=mask_s[:, None] & mask_c[None, :],
-        other=0.0,
-    )  # [s, c]
-    acc = tl.sum(weight[:, None] * part, axis=0)  # [c]
+    total = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros((BLOCK_C,), tl.float32)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        offs_s = s0 + offs_chunk
+        mask_s = offs_s < num_splits
+        lse = tl.load(lse_row + offs_s, mask=mask_s, other=float("-inf"))
+        weight = tl.exp(lse - lse_max)  # [s], 0 for empty splits (lse = -inf)
+        part = tl.load(
+            o_part_ptr
+            + b * stride_ob
+            + h * stride_oh
+            + offs_s[:, None] * stride_os
+            + offs_c[None, :],
+            mask=mask_s[:, None] & mask_c[None, :],
+            other=0.0,
+        )  # [s, c]
+        acc += tl.sum(weight[:, None] * part, axis=0)
+        total += tl.sum(weight, axis=0)
     tl.store(
         out_ptr + b * stride_outb + h * stride_outh + offs_c,
         (acc / tl.where(total > 0.0, total, 1.0)).to(out_ptr.dtype.element_ty),
@@ -262,14 +278,16 @@ def mla_decode(
         v3.launch_mla_decode_v3(*args, out, o_part, lse_part, config)
     else:
         _launch_v2(*args, o_part, lse_part, config)
-    if splits > MERGE_MAX_SPLITS:
-        raise ValueError(f"{splits} splits: the merge loads at most {MERGE_MAX_SPLITS}")
-    block_c = min(MERGE_BLOCK_C, next_power_of_2(latent_dim))
+    small, large = MERGE_SPLIT_CHUNKS
+    chunk = large if splits > 2 * small else small
+    block_c = next_power_of_2(latent_dim)
+    if batch * heads < MERGE_MIN_PROGRAMS:
+        block_c = min(block_c, MERGE_NARROW_BLOCK_C)
     _mla_decode_merge_kernel[(batch, heads, cdiv(latent_dim, block_c))](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        C=latent_dim, BLOCK_C=block_c, BLOCK_S=MERGE_MAX_SPLITS, num_splits=splits,
+        C=latent_dim, BLOCK_C=block_c, SPLIT_CHUNK=chunk, num_splits=splits,
     )  # fmt: skip
     return out
 
