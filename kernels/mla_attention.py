@@ -118,10 +118,12 @@ def _mla_decode_kernel(
 
 
 # Splits a merge program loads per step, as one [chunk, BLOCK_C] tile of partials rather
-# than one row at a time: all of them where there are many (batches of ≤ 8 make 33-64
-# splits), 8 otherwise (≤ 16 splits; a tile of mostly masked rows cost more than it saved
-# there). Two compiled variants, both met by the graph capture's batch sizes.
-MERGE_SPLIT_CHUNKS = (8, 64)
+# than one row at a time: from MERGE_WHOLE_TILE_MIN_SPLITS splits (batches of ≤ 8 make
+# 33-64) a tile of the most a decode kernel makes, so all in one step; fewer in chunks of
+# MERGE_SPLIT_CHUNK (a tile of mostly masked rows cost more than it saved there). Two
+# compiled variants, both met by the graph capture's batch sizes.
+MERGE_SPLIT_CHUNK = 8
+MERGE_WHOLE_TILE_MIN_SPLITS = 17
 # Programs below which the merge cuts a head's latent columns into 128-wide blocks (batch 1:
 # 16 heads are 16 programs otherwise); from there one program takes the whole row.
 MERGE_MIN_PROGRAMS = 264
@@ -278,8 +280,7 @@ def mla_decode(
         v3.launch_mla_decode_v3(*args, out, o_part, lse_part, config)
     else:
         _launch_v2(*args, o_part, lse_part, config)
-    small, large = MERGE_SPLIT_CHUNKS
-    chunk = large if splits > 2 * small else small
+    chunk = v3.MAX_SPLITS if splits >= MERGE_WHOLE_TILE_MIN_SPLITS else MERGE_SPLIT_CHUNK
     block_c = next_power_of_2(latent_dim)
     if batch * heads < MERGE_MIN_PROGRAMS:
         block_c = min(block_c, MERGE_NARROW_BLOCK_C)

@@ -65,11 +65,12 @@ def test_each_v3_plan_matches_ref_at_deepseek_width(name, splits):
 @pytest.mark.parametrize("splits", [64, 37, 13])
 def test_merge_of_many_splits_over_several_column_blocks(splits):
     """Batch 1's plan: 64 splits (most of them empty for a short context) in one tile, 37 in
-    a partly masked one, and 13 in chunks of 8 with the last one partial, merged by
+    a partly masked one, and 13 in chunks of MERGE_SPLIT_CHUNK with the last one partial, merged by
     programs of MERGE_NARROW_BLOCK_C latent columns (2 × 16 heads is below
     MERGE_MIN_PROGRAMS)."""
     inputs = decode_inputs(16, 512, 64, 16, [700, 3], torch.float32, seed=splits)
     assert mla.MERGE_MIN_PROGRAMS > 2 * 16 and mla.MERGE_NARROW_BLOCK_C < 512
+    assert 64 >= mla.MERGE_WHOLE_TILE_MIN_SPLITS > 13 > mla.MERGE_SPLIT_CHUNK  # both paths
     config = v3.MLA_DECODE_V3_CONFIGS["h16_t32"]
     check_against_ref(inputs, 0.05, torch.float32, config=config, num_splits=splits)
 
