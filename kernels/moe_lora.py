@@ -511,7 +511,7 @@ def moe_lora_gate_up(
         x: [T, hidden] MoE input, same dtype as A and B.
         inter: [P, S*N] gate_up output of the base MoE per pair, written in place.
         A: [slots, E or 1, S*R, hidden]; B: [slots, E, S*N, R]; S = 2 gated, 1 non-gated.
-        pair_token / pair_expert: int32 [P]; pair_token -1 marks padding (skipped).
+        pair_token int32 [P], -1 marks padding (skipped); pair_expert int32 or int64 [P].
         segs: this batch's segments (token_slot, slot_rank); slot -1 tokens do no work.
         variant: "auto" ("pairs" up to PAIRS_MAX_PAIRS pairs, else "runs") or a key of
             MOE_VARIANTS (all compute the same delta).
@@ -546,7 +546,7 @@ def moe_lora_down(
         act: [P, moe_inter] activated intermediate per pair, same dtype as A and B.
         down_out: [P, hidden] down output of the base MoE per pair, written in place.
         A: [slots, E, R, moe_inter]; B: [slots, E or 1, hidden, R].
-        pair_token / pair_expert: int32 [P]; pair_token -1 marks padding (skipped).
+        pair_token int32 [P], -1 marks padding (skipped); pair_expert int32 or int64 [P].
         segs: this batch's segments (token_slot, slot_rank); slot -1 tokens do no work.
         variant, pair_order: as in `moe_lora_gate_up`.
     """
@@ -832,8 +832,13 @@ def _check_moe(
             f"A {tuple(A.shape)}, B {tuple(B.shape)} do not fit "
             f"x {tuple(x.shape)}, out {tuple(out.shape)}"
         )
-    if pair_token.dtype != torch.int32 or pair_expert.dtype != torch.int32:
-        raise ValueError("pair_token and pair_expert must be int32")
+    # The experts come as the router made them (int64) or as int32: converting on the
+    # critical path of every MoE layer cost more than the kernels' wider loads.
+    if pair_token.dtype != torch.int32 or pair_expert.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"pair_token must be int32 and pair_expert int32 or int64, got "
+            f"{pair_token.dtype} and {pair_expert.dtype}"
+        )
     if pair_token.shape != pair_expert.shape or out.shape[0] != pair_token.shape[0]:
         raise ValueError(
             f"pairs: token {tuple(pair_token.shape)}, expert {tuple(pair_expert.shape)}, "

@@ -178,7 +178,7 @@ class MoE(nn.Module):
         fused = None
         if with_lora:
             pair_token = lora.pair_tokens(top_k)  # [P]
-            pair_expert = topk_ids.flatten().to(torch.int32)  # [P]
+            pair_expert = topk_ids.reshape(-1)  # [P] int64, read as it is: no conversion launch
             pairs = (pair_token, pair_expert, lora, align.sorted_pair_ids)
             if in_gemm:
                 fused = start_moe_lora(x, self.lora_gate_up, *pairs, per_pair=False)

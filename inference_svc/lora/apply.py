@@ -202,7 +202,7 @@ def start_moe_lora(
     caller runs next (`grouped_gemm(lora=)`), when `moe_lora_in_gemm` says so.
 
     Args: a: the GEMM's input, x [T, hidden] (gate_up) or act [P, I] (down, per_pair);
-    pair_token / pair_expert int32 [P]; pair_order as in `add_moe_gate_up`.
+    pair_token int32 [P]; pair_expert int32 or int64 [P]; pair_order as in `add_moe_gate_up`.
     """
     make = moe_lora_epilogue if a.is_cuda else moe_lora_epilogue_ref
     return make(
@@ -223,8 +223,8 @@ def add_moe_gate_up(
     """Semantics: inter[p] += B[slot, e] · (A[slot, e] · x[tok(p)]) per gate/up slice.
 
     Args: x [T, hidden]; inter [P, 2·I] per-pair gate_up output, written in place;
-    pair_token / pair_expert int32 [P]; pair_order: the base MoE's expert-sorted pair ids
-    (the kernels walk long batches in it; it does not change the result).
+    pair_token int32 [P]; pair_expert int32 or int64 [P]; pair_order: the base MoE's
+    expert-sorted pair ids (the kernels walk long batches in it; it does not change the result).
     """
     apply = moe_lora_gate_up if x.is_cuda else moe_lora_gate_up_ref
     segs = weights.segments(segs)

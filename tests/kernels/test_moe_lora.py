@@ -151,6 +151,14 @@ def test_moe_lora_never_reads_past_a_slot_rank(variant) -> None:  # type: ignore
     assert torch.isfinite(got).all()
 
 
+def test_router_int64_experts_are_read_as_they_come() -> None:
+    """The model passes the router's int64 expert ids without converting them; every
+    variant gives the same delta as with int32 ids."""
+    segs, pt, pe, t = _moe_case("zipf", 13, torch.float32, seed=9)
+    assert pe.dtype == torch.int32
+    _run_both(segs, pt, pe.long(), t, torch.float32)
+
+
 def test_pairs_kernel_with_columns_split_over_programs() -> None:
     """A decode step of 2 tokens: the "pairs" launch cuts each slice's columns into chunks
     (each recomputing the shrink) when there are fewer items than programs wanted."""
@@ -220,8 +228,10 @@ def test_launchers_reject_mismatched_shapes() -> None:
     segs, pt, pe, t = _moe_case("distinct", 5, torch.float32, 6)
     with pytest.raises(ValueError, match="do not fit"):
         moe_lora_gate_up(t["x"][:, :-1], t["inter"], t["A_gu"], t["B_gu"], pt, pe, segs)
-    with pytest.raises(ValueError, match="int32"):
+    with pytest.raises(ValueError, match="pair_token must be int32"):
         moe_lora_down(t["act"], t["down"], t["A_d"], t["B_d"], pt.long(), pe, segs)
+    with pytest.raises(ValueError, match="pair_expert int32 or int64, got .* torch.int16"):
+        moe_lora_down(t["act"], t["down"], t["A_d"], t["B_d"], pt, pe.short(), segs)
     with pytest.raises(ValueError, match="one row per pair"):
         moe_lora_down(t["act"][:-1], t["down"], t["A_d"], t["B_d"], pt, pe, segs)
 
