@@ -9,6 +9,11 @@ is timed). Decode steps are CUDA-graph replays through `ModelRunner.execute` at 
 1 / 64 / 256, each sequence with `--context` cached tokens, timed like bench.model_decode
 (`bench.gpu_timing.time_ms`: warm-up, L2 flush, median).
 
+Each decode case also reports its floor (bench/lora_floor.py): the bytes of LoRA weights
+the step must read ÷ the base step's bytes, i.e. the overhead of a step whose LoRA kernels
+read as efficiently as its base kernels, and the time LoRA adds ÷ those bytes at the
+measured copy bandwidth.
+
 Also the MoE LoRA cost on its own: one MoE layer at batch 64, 8 adapters, as
 (t_with_lora − t_base) ÷ t_base, both as CUDA-graph replays.
 
@@ -41,8 +46,9 @@ from typing import Any
 import torch
 
 from adapter_store.format import model_lora_shapes
-from bench.gpu_timing import device_name, time_ms
-from bench.model_decode import SMOKE_OVERRIDES, V2_LITE_Q_LORA, random_model
+from bench.gpu_timing import copy_bandwidth, device_name, time_ms
+from bench.lora_floor import lora_step_bytes, tokens_per_slot
+from bench.model_decode import SMOKE_OVERRIDES, V2_LITE_Q_LORA, random_model, step_bytes
 from bench.step_profile import profile_step
 from inference_svc.engine.batch import BatchMetadata, SequenceStep, build_batch
 from inference_svc.engine.kv_pages import pages_for
@@ -61,6 +67,7 @@ RANK = 16
 MOE_BATCH, MOE_ADAPTERS = 64, 8
 # A serving prefill step: bench.serve_offline's 8192-token budget of 512-token prompts.
 PREFILL_SEQS = 16
+PREFILL_WARMUP_STEPS = 3
 PAGE_SIZE = 16
 GOAL_OVERHEAD, GOAL_MOE_RATIO = 0.15, 0.25
 
@@ -161,7 +168,8 @@ def make_setup(
     pool_config = LoraPoolConfig(RANK, dtype=dtype, device=device, max_loras=NUM_ADAPTERS)
     pool = LoraPool(shapes, NUM_ADAPTERS, pool_config)
     fill_pool(pool, NUM_ADAPTERS)
-    pages = max(batches) * pages_for(context, PAGE_SIZE)
+    # Enough for the largest decode batch and for the prefill step's sequences.
+    pages = max(*batches, PREFILL_SEQS) * pages_for(context, PAGE_SIZE)
     runner_config = RunnerConfig(
         num_pages=pages,
         page_size=PAGE_SIZE,
@@ -174,13 +182,17 @@ def make_setup(
     return Setup(runner, context, NUM_ADAPTERS)
 
 
+def case_slots(size: int, adapters: int) -> list[int]:
+    """Each sequence's slot: `adapters` distinct slots grouped as the scheduler orders them
+    (0 adapters: -1, the base model only)."""
+    return [b * adapters // size if adapters else -1 for b in range(size)]
+
+
 def decode_batch(setup: Setup, size: int, adapters: int) -> tuple[torch.Tensor, BatchMetadata]:
-    """`size` decode sequences of `context` tokens; `adapters` distinct slots grouped as the
-    scheduler orders them (0 adapters: base model only)."""
+    """`size` decode sequences of `context` tokens with the slots of `case_slots`."""
     per_seq = pages_for(setup.context, PAGE_SIZE)
     steps = []
-    for b in range(size):
-        slot = b * adapters // size if adapters else -1
+    for b, slot in enumerate(case_slots(size, adapters)):
         pages = tuple(range(b * per_seq, (b + 1) * per_seq))
         steps.append(SequenceStep(setup.context - 1, 1, pages, lora_slot=slot))
     runner = setup.runner
@@ -206,11 +218,30 @@ class StepRow:
     adapters: int
     base_us: float
     lora_us: float
+    base_bytes: float  # what the base step must read (bench.model_decode.step_bytes)
+    lora_bytes: float  # what the adapters add (bench.lora_floor.lora_step_bytes)
     profile: dict[str, Any] | None = None
 
     @property
     def overhead(self) -> float:
         return self.lora_us / self.base_us - 1.0
+
+    @property
+    def floor_overhead(self) -> float:
+        """The overhead if the LoRA weights were read as efficiently as the base weights."""
+        return self.lora_bytes / self.base_bytes
+
+    def added_over_floor(self, bandwidth: float) -> float:
+        """The time LoRA adds ÷ its bytes at the copy bandwidth (bytes/s)."""
+        return (self.lora_us - self.base_us) * 1e-6 / (self.lora_bytes / bandwidth)
+
+    def as_dict(self, bandwidth: float) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "overhead": self.overhead,
+            "floor_overhead": self.floor_overhead,
+            "added_over_floor": self.added_over_floor(bandwidth),
+        }
 
 
 def default_cases(batches: tuple[int, ...], num_slots: int) -> list[tuple[int, int]]:
@@ -240,12 +271,29 @@ def measure_steps(setup: Setup, cases: list[tuple[int, int]], profile: bool) -> 
             times.append(1e3 * time_ms(step, setup.runner.device))
             if profile:
                 profiles[label] = profile_step(step, setup.runner.device)
-        rows.append(StepRow(size, adapters, *times, profile=profiles or None))
+        rows.append(StepRow(size, adapters, *times, *case_bytes(setup, size, adapters),
+                            profile=profiles or None))  # fmt: skip
         print(
             f"decode B={size:<4} adapters={adapters:<3} base {times[0]:9.1f} µs  "
-            f"LoRA {times[1]:9.1f} µs  overhead {rows[-1].overhead:+.1%}"
+            f"LoRA {times[1]:9.1f} µs  overhead {rows[-1].overhead:+.1%} "
+            f"(floor {rows[-1].floor_overhead:+.1%})"
         )
     return rows
+
+
+def case_bytes(setup: Setup, size: int, adapters: int) -> tuple[float, float]:
+    """(base bytes, LoRA bytes) a decode step of the case must read."""
+    model = setup.model
+    pool = setup.runner.lora_pool
+    base = sum(step_bytes(model, size, setup.context).values())
+    lora = lora_step_bytes(
+        pool.shapes,
+        pool.max_rank,
+        pool.dtype.itemsize,
+        tokens_per_slot(case_slots(size, adapters)),
+        model.config.routing.top_k,
+    )
+    return base, sum(lora.values())
 
 
 def prefill_batch(
@@ -276,6 +324,11 @@ def measure_prefill(setup: Setup, profile: bool) -> list[dict[str, Any]]:
     for adapters in (0, 1, seqs):
         input_ids, batch = prefill_batch(setup, seqs, setup.context, adapters)
         step = functools.partial(setup.runner.execute, input_ids, batch)
+        # time_ms warms up for 10 ms, one call of a step this long; the process's first
+        # prefill steps measured up to 60 % slower than later ones (cuBLAS and allocator
+        # warm-up), so a few untimed steps come first.
+        for _ in range(PREFILL_WARMUP_STEPS):
+            step()
         us = 1e3 * time_ms(step, device)
         row: dict[str, Any] = {"seqs": seqs, "prompt_len": setup.context, "adapters": adapters,
                                "us": us}  # fmt: skip
@@ -365,6 +418,7 @@ def run(
     start = time.perf_counter()
     batches = tuple(sorted({size for size, _ in cases})) if cases else BATCHES
     setup = make_setup(v2_lite_config(layers), "cuda", context, batches, graphs=False)
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     cases = cases or default_cases(batches, setup.num_slots)
     measured = {}
     for name in variants:
@@ -377,7 +431,7 @@ def run(
             print(f"[{name}] graphs captured at {time.perf_counter() - start:.0f} s")
             rows = measure_steps(setup, cases, profile)
             measured[name] = {
-                "decode": [{**asdict(r), "overhead": r.overhead} for r in rows],
+                "decode": [r.as_dict(bandwidth) for r in rows],
                 "moe": measure_moe(setup),
             }
             if prefill:
@@ -389,18 +443,23 @@ def run(
         "context": context,
         "rank": RANK,
         "num_adapters": NUM_ADAPTERS,
+        "copy_bandwidth_bytes_per_s": bandwidth,
         "variants": measured,
         "goals": {"decode_overhead": GOAL_OVERHEAD, "moe_ratio": GOAL_MOE_RATIO},
         "seconds": time.perf_counter() - start,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    print("\nvariant  batch adapters  base µs   LoRA µs  overhead   (MoE LoRA ÷ base)")
+    print(
+        "\nvariant  batch adapters  base µs   LoRA µs  overhead  floor  added÷floor"
+        "  (MoE LoRA ÷ base)"
+    )
     for name, result in measured.items():
         for r in result["decode"]:
             print(
                 f"{name:8s} {r['batch']:5d} {r['adapters']:8d} {r['base_us']:8.1f} "
-                f"{r['lora_us']:9.1f} {r['overhead']:+8.1%}"
+                f"{r['lora_us']:9.1f} {r['overhead']:+8.1%} {r['floor_overhead']:+6.1%} "
+                f"{r['added_over_floor']:8.2f}"
             )
         print(f"{name:8s} MoE B={MOE_BATCH} ×{MOE_ADAPTERS}: {result['moe']['ratio']:.3f}")
     plot(results, out.with_suffix(".png"))
@@ -425,6 +484,8 @@ def smoke() -> None:
                 # The timed LoRA steps must do LoRA work: the adapters change every row.
                 changed = (outputs[0] - outputs[1]).abs().amax(dim=-1) > 1e-6  # [size]
                 assert changed.all(), f"{name}: LoRA left {int((~changed).sum())} rows as base"
+                base_bytes, lora_bytes = case_bytes(setup, size, min(size, setup.num_slots))
+                assert base_bytes > 0 and lora_bytes > 0
             input_ids, batch = prefill_batch(setup, 4, setup.context, 2)
             logits = setup.runner.execute(input_ids, batch)
             assert logits.shape[0] == 4 and torch.isfinite(logits).all()
