@@ -7,7 +7,8 @@
 # NAMEs pick a subset, in this order: ceilings lora_kernels model_decode lora_decode_overhead
 # lora_slot_load serve_offline_r16 serve_online serve_offline_r64, then the variants (not in
 # the ≈ 9 min of a plain run; name them): serve_offline_noroute (adapters off the routed
-# experts), serve_offline_fp8 (routed experts FP8 block-quantized), serve_cold_idle
+# experts), serve_offline_resident (each scenario's adapters in GPU slots before its clock
+# starts), serve_offline_fp8 (routed experts FP8 block-quantized), serve_cold_idle
 # (cold-adapter probes on an idle engine), model_decode_fp8, grouped_gemm_tiles (expert GEMM
 # tile plans at prefill shapes), copy_contention (a step's copy beside a slot load),
 # serve_offline_profile (profiler windows inside serving), moe_lora_prefill (the MoE stage
@@ -30,7 +31,8 @@ mkdir -p "$OUT"
 START=$(date +%s)
 for name_limit in ceilings:30 lora_kernels:50 model_decode:50 lora_decode_overhead:45 \
     lora_slot_load:45 serve_offline_r16:140 serve_online:120 serve_offline_r64:50 \
-    model_decode_fp8:60 serve_offline_fp8:140 serve_offline_noroute:130 serve_cold_idle:100 \
+    model_decode_fp8:60 serve_offline_fp8:140 serve_offline_noroute:130 serve_offline_resident:130 \
+    serve_cold_idle:100 \
     grouped_gemm_tiles:120 copy_contention:60 serve_offline_profile:300 moe_lora_prefill:90 \
     serve_offline_host_profile:240 mla_prefill:60 grouped_gemm_decode:90 triton_launch:60 \
     model_decode_fp8_a8:60 serve_offline_fp8_a8:140 moe_routing:60; do
@@ -38,7 +40,8 @@ for name_limit in ceilings:30 lora_kernels:50 model_decode:50 lora_decode_overhe
   declare "$var=${!var:-${name_limit##*:}}"
 done
 
-VARIANTS=" model_decode_fp8 serve_offline_fp8 serve_offline_noroute serve_cold_idle "
+VARIANTS=" model_decode_fp8 serve_offline_fp8 serve_offline_noroute serve_offline_resident "
+VARIANTS+=" serve_cold_idle "
 VARIANTS+=" grouped_gemm_tiles copy_contention serve_offline_profile moe_lora_prefill "
 VARIANTS+=" serve_offline_host_profile mla_prefill grouped_gemm_decode triton_launch "
 VARIANTS+=" model_decode_fp8_a8 serve_offline_fp8_a8 moe_routing "
@@ -73,6 +76,9 @@ GOALS=("no LoRA" "N=32 uniform" "N=8 zipf" "N=1000 zipf")
 run serve_offline_noroute "$LIMIT_serve_offline_noroute" bench.serve_offline --rank 16 \
   --adapter-modules no-routed --out "$OUT/serve_offline_noroute.json" \
   --time-budget $(( LIMIT_serve_offline_noroute - 15 )) --scenarios "${GOALS[@]}"
+run serve_offline_resident "$LIMIT_serve_offline_resident" bench.serve_offline --rank 16 --resident \
+  --out "$OUT/serve_offline_resident.json" --time-budget $(( LIMIT_serve_offline_resident - 15 )) \
+  --scenarios "${GOALS[@]}"
 run serve_offline_fp8 "$LIMIT_serve_offline_fp8" bench.serve_offline --rank 16 --experts fp8 \
   --out "$OUT/serve_offline_fp8.json" --time-budget $(( LIMIT_serve_offline_fp8 - 15 )) --scenarios "${GOALS[@]}"
 run serve_cold_idle "$LIMIT_serve_cold_idle" bench.serve_online --rank 16 --out "$OUT/serve_cold_idle.json" \

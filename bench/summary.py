@@ -129,6 +129,7 @@ OFFLINE_RUNS = {
     "serve_offline_fp8": "rank 16, FP8 experts",
     "serve_offline_fp8_a8": "rank 16, FP8 experts, e4m3 activations",
     "serve_offline_noroute": "rank 16, adapters off the routed experts",
+    "serve_offline_resident": "rank 16, adapters in GPU slots at the start",
 }
 # Cold-adapter probes: file stem -> the load they ran under.
 COLD_RUNS = {"serve_online": "under load", "serve_cold_idle": "idle engine"}

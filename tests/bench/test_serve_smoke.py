@@ -23,8 +23,25 @@ def test_serve_offline_smoke(tmp_path: Path) -> None:
     assert rows["N=8 zipf"]["distinct_used"] > results["meta"]["gpu_slots"]
     assert rows["N=8 zipf"]["slot_loads"] >= rows["N=8 zipf"]["distinct_used"]
     assert rows["no LoRA"]["slot_loads"] == 0
+    assert rows["N=2 uniform"]["slot_loads"] >= 2  # every scenario starts with cold slots
     assert results["ratios"]["vs_no_lora"]["N=8 zipf"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_serve_offline_resident_adapters_start_in_slots(tmp_path: Path) -> None:
+    """`--resident`: a scenario whose adapters fit the 2 slots loads none while timed (they
+    were loaded before its clock started); with more names than slots the rest still cycle."""
+    out = tmp_path / "serve_offline_resident.json"
+    serve_offline.main(["--out", str(out), "--smoke", "--resident"])
+    results = json.loads(out.read_text())
+    assert results["meta"]["resident"] is True
+    rows = {row["scenario"]: row for row in results["rows"]}
+    for row in rows.values():
+        assert row["valid"] and row["resident"], row
+        assert row["output_tokens"] == row["requests"] * results["meta"]["output_len"]
+    assert rows["N=2 uniform"]["distinct_used"] == 2
+    assert rows["N=2 uniform"]["slot_loads"] == 0
+    assert rows["N=8 zipf"]["slot_loads"] > 0
 
 
 def test_serve_offline_smoke_with_moe_lora_in_the_gemm(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
