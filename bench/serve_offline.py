@@ -20,6 +20,8 @@ Ratios, all from this one run (one engine, one process):
 
 Scenarios run in priority order (the goals' first) and the JSON is rewritten after each,
 so `--time-budget` (skip what would not fit) or an outer `timeout` keeps what finished.
+`--rounds K` runs them K times, round after round, and the ratios take each scenario's
+median: one process's LoRA scenarios have measured up to 8 % apart from the next's.
 
     python3 -m bench.serve_offline --out bench/results/serve_offline_r16.json --rank 16
     python -m bench.serve_offline --out /tmp/serve_offline.json --smoke   # CPU setup check
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -300,12 +303,17 @@ def _triton_cache_folder() -> Path:
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every LoRA row ÷ no LoRA, and the two goal ratios when their rows are valid."""
-    by_label = {row["scenario"]: row for row in rows if row["valid"]}
+    """Every LoRA scenario ÷ no LoRA, and the two goal ratios when their rows are valid;
+    with several rounds, of each scenario's median throughput over its valid rows."""
+    runs: dict[str, list[float]] = {}
+    for row in rows:
+        if row["valid"]:
+            runs.setdefault(row["scenario"], []).append(row["output_tokens_per_s"])
+    by_label = {label: statistics.median(values) for label, values in runs.items()}
 
     def ratio(top: str, bottom: str) -> float | None:
         if top in by_label and bottom in by_label:
-            return by_label[top]["output_tokens_per_s"] / by_label[bottom]["output_tokens_per_s"]
+            return by_label[top] / by_label[bottom]
         return None
 
     out: dict[str, Any] = {
@@ -315,6 +323,7 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "n1000_zipf_vs_n8_zipf": ratio("N=1000 zipf", "N=8 zipf"),
         "n1000_zipf_vs_n8_uniform": ratio("N=1000 zipf", "N=8 uniform"),
         "goals": {"n32_vs_no_lora": GOAL_N32_VS_BASE, "n1000_zipf_vs_n8": GOAL_N1000_VS_N8},
+        "tokens_per_s_range": {label: [min(v), max(v)] for label, v in runs.items()},
     }
     return out
 
@@ -408,12 +417,21 @@ def main(argv: list[str] | None = None) -> None:
         help="each row lists every engine step call (time, tokens, queue, slot copies)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the scenarios this many times, round after round (fresh adapter names each "
+        "time); the ratios take each scenario's median",
+    )
+    parser.add_argument(
         "--resident",
         action="store_true",
         help="each scenario's most popular adapters (as many as there are slots) start in GPU "
         "slots: steady-state throughput without the start's slot copies",
     )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
 
     config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=2)
     requests = 6 if args.smoke else args.requests
@@ -443,6 +461,7 @@ def main(argv: list[str] | None = None) -> None:
                 "moe_lora_in_gemm": config.moe_lora_in_gemm,
                 "overlap_steps": config.overlap_steps,
                 "resident": args.resident,
+                "rounds": args.rounds,
                 "layers": config.layers,
                 "full_model": config.layers == 27,
                 "dtype": config.dtype,
@@ -468,7 +487,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{setup_s:.0f} s"
         )
         longest = 0.0
-        for index, scenario in enumerate(scenarios):
+        rounds = [(r, i, s) for r in range(args.rounds) for i, s in enumerate(scenarios)]
+        for round_index, index, scenario in rounds:
             elapsed = time.perf_counter() - started
             if args.time_budget and elapsed + 1.2 * longest > args.time_budget:
                 results["skipped"].append(scenario.label)
@@ -480,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
                 config,
                 scenario,
                 requests,
-                f"s{index}",
+                f"r{round_index}s{index}",
                 args.scenario_timeout,
                 args.profile_steps,
                 args.profile_kind,
@@ -489,13 +509,15 @@ def main(argv: list[str] | None = None) -> None:
                 args.resident,
             )
             longest = max(longest, row["seconds"])
+            row["round"] = round_index
             results["rows"].append(row)
             results["ratios"] = ratios(results["rows"])
             results["meta"]["seconds"] = time.perf_counter() - started
             save(args.out, results)
             base = results["ratios"]["vs_no_lora"].get(scenario.label)
             print(
-                f"{scenario.label:18s} {row['output_tokens_per_s']:9.0f} tok/s  "
+                (f"[{round_index}] " if args.rounds > 1 else "")
+                + f"{scenario.label:18s} {row['output_tokens_per_s']:9.0f} tok/s  "
                 f"{row['seconds']:6.1f} s  slot loads {row['slot_loads']:4d}  "
                 f"prefill steps {row['prefill_steps']} {row['prefill_step_seconds']:5.1f} s, "
                 f"decode steps {row['decode_steps']} {row['decode_step_seconds']:5.1f} s  "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import serve_cold_path, serve_offline, serve_online, summary
 
 
@@ -42,6 +44,32 @@ def test_serve_offline_resident_adapters_start_in_slots(tmp_path: Path) -> None:
     assert rows["N=2 uniform"]["distinct_used"] == 2
     assert rows["N=2 uniform"]["slot_loads"] == 0
     assert rows["N=8 zipf"]["slot_loads"] > 0
+
+
+def test_serve_offline_rounds_take_each_scenarios_median(tmp_path: Path) -> None:
+    """`--rounds 3`: every scenario three times, round after round; the ratios divide the
+    medians, and the ranges hold each scenario's lowest and highest throughput."""
+    out = tmp_path / "serve_offline_rounds.json"
+    serve_offline.main(["--out", str(out), "--smoke", "--rounds", "3"])
+    results = json.loads(out.read_text())
+    assert results["meta"]["rounds"] == 3
+    rows = results["rows"]
+    assert [row["round"] for row in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [row["scenario"] for row in rows[:3]] == [row["scenario"] for row in rows[3:6]]
+    tok_s = {}
+    for row in rows:
+        assert row["valid"], row
+        tok_s.setdefault(row["scenario"], []).append(row["output_tokens_per_s"])
+    medians = {label: sorted(values)[1] for label, values in tok_s.items()}
+    expected = medians["N=8 zipf"] / medians["no LoRA"]
+    assert results["ratios"]["vs_no_lora"]["N=8 zipf"] == pytest.approx(expected)
+    for label, values in tok_s.items():
+        assert results["ratios"]["tokens_per_s_range"][label] == [min(values), max(values)]
+
+
+def test_serve_offline_rejects_zero_rounds() -> None:
+    with pytest.raises(SystemExit):
+        serve_offline.main(["--out", "/dev/null", "--smoke", "--rounds", "0"])
 
 
 def test_serve_offline_smoke_with_moe_lora_in_the_gemm(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
