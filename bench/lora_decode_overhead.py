@@ -324,9 +324,9 @@ def measure_prefill(setup: Setup, profile: bool) -> list[dict[str, Any]]:
     for adapters in (0, 1, seqs):
         input_ids, batch = prefill_batch(setup, seqs, setup.context, adapters)
         step = functools.partial(setup.runner.execute, input_ids, batch)
-        # time_ms warms up for 10 ms, one call of a step this long; the process's first
-        # prefill steps measured up to 60 % slower than later ones (cuBLAS and allocator
-        # warm-up), so a few untimed steps come first.
+        # time_ms warms up for 10 ms, one call of a step this long, and the process's first
+        # prefill case measured 63 % slower than the same case later in the run (cause not
+        # traced), so a few untimed steps come first.
         for _ in range(PREFILL_WARMUP_STEPS):
             step()
         us = 1e3 * time_ms(step, device)

@@ -21,7 +21,8 @@ Ratios, all from this one run (one engine, one process):
 Scenarios run in priority order (the goals' first) and the JSON is rewritten after each,
 so `--time-budget` (skip what would not fit) or an outer `timeout` keeps what finished.
 `--rounds K` runs them K times, round after round, and the ratios take each scenario's
-median: one process's LoRA scenarios have measured up to 8 % apart from the next's.
+median: a LoRA scenario's throughput has varied by up to 8 % from run to run (its eager
+prefill steps are partly host-bound), no LoRA's by 0.2 %.
 
     python3 -m bench.serve_offline --out bench/results/serve_offline_r16.json --rank 16
     python -m bench.serve_offline --out /tmp/serve_offline.json --smoke   # CPU setup check
