@@ -1,0 +1,42 @@
+"""The summary table reads bench.lora_decode_overhead's JSON as that benchmark writes it
+(kernel sets under "variants"), with the ceiling the LoRA bytes allow beside each case."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import summary
+
+
+def _write(folder: Path, variants: dict) -> None:
+    payload = {"layers": 8, "variants": variants}
+    (folder / "lora_decode_overhead.json").write_text(json.dumps(payload))
+
+
+def _by_target(folder: Path) -> dict[str, summary.Line]:
+    return {line.target.strip(): line for line in summary.decode_lines(folder)}
+
+
+def test_decode_overhead_lines_take_the_default_kernel_set(tmp_path: Path) -> None:
+    row = {"batch": 64, "adapters": 32, "base_us": 100.0, "lora_us": 125.0,
+           "floor_overhead": 0.125}  # fmt: skip
+    serial = {**row, "lora_us": 200.0}
+    _write(tmp_path, {
+        "serial": {"decode": [serial], "moe": {"ratio": 0.5}},
+        "new": {"decode": [row], "moe": {"ratio": 0.1}},
+    })  # fmt: skip
+    lines = _by_target(tmp_path)
+    moe = lines["MoE LoRA cost ÷ base fused MoE, B=64, 8 adapters"]
+    assert (moe.measured, moe.met) == ("0.1", True)
+    step = lines["decode tok/s with 32 r16 adapters ÷ no LoRA, B=64 [8 layers]"]
+    assert (step.measured, step.met) == ("0.800", False)
+    ceiling = lines["ceiling from the LoRA bytes, B=64"]
+    assert (ceiling.measured, ceiling.met) == ("0.889", None)
+    assert lines["decode tok/s with 32 r16 adapters ÷ no LoRA, B=1 [8 layers]"].met is None
+
+
+def test_decode_overhead_missing_is_shown_as_not_run(tmp_path: Path) -> None:
+    lines = _by_target(tmp_path)
+    assert lines["MoE LoRA cost ÷ base fused MoE, B=64, 8 adapters"].measured == "not run"
+    assert lines["decode tok/s with 32 r16 adapters ÷ no LoRA, B=256"].measured == "not run"
