@@ -300,11 +300,10 @@ def prefill_batch(
     setup: Setup, seqs: int, prompt_len: int, adapters: int
 ) -> tuple[torch.Tensor, BatchMetadata]:
     """`seqs` whole prompts of `prompt_len` tokens from an empty cache, as the scheduler
-    packs a prefill step; `adapters` distinct slots (0: base model only)."""
+    packs a prefill step, with the slots of `case_slots`."""
     per_seq = pages_for(prompt_len, PAGE_SIZE)
     steps = []
-    for b in range(seqs):
-        slot = b * adapters // seqs if adapters else -1
+    for b, slot in enumerate(case_slots(seqs, adapters)):
         pages = tuple(range(b * per_seq, (b + 1) * per_seq))
         steps.append(SequenceStep(0, prompt_len, pages, lora_slot=slot))
     runner = setup.runner

@@ -32,13 +32,14 @@ def lora_step_bytes(
     adapters = [n for n in tokens_per_adapter if n > 0]
     linear = routed = 0.0
     for shape in shapes.values():
-        per_key = rank * (shape.stack * shape.in_features + shape.out_features) * element_size
+        # One A and B: an adapter's (linear) or an (adapter, expert) key's (moe.*).
+        a_and_b = rank * (shape.stack * shape.in_features + shape.out_features) * element_size
         layers = len(shape.layers)
         if shape.num_experts is None:
-            linear += layers * len(adapters) * per_key
+            linear += layers * len(adapters) * a_and_b
         else:
             keys = sum(expected_distinct_experts(n, shape.num_experts, top_k) for n in adapters)
-            routed += layers * keys * per_key
+            routed += layers * keys * a_and_b
     return {"linear": linear, "routed": routed}
 
 

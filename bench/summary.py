@@ -108,8 +108,8 @@ def decode_lines(results: Path) -> Iterator[Line]:
     else:
         yield _at_most(name, 0.25, measured["moe"]["ratio"])
     layers = f" [{data['layers']} layers]" if data else ""
+    rows = measured["decode"] if measured else []
     for batch in (1, 64, 256):
-        rows = measured["decode"] if measured else []
         row = next((r for r in rows if r["batch"] == batch), None)
         name = f"decode tok/s with {row['adapters'] if row else 32} r16 adapters ÷ no LoRA, "
         name += f"B={batch}{layers}"
