@@ -57,5 +57,5 @@ class Linear(nn.Module):
             gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref
             y = gemm(x, info.weight, info.scale, info.block)
         if pending is not None:
-            finish_linear_lora(pending, y, self.lora, lora, self.slice_offsets)
+            finish_linear_lora(pending, y, self.lora, self.slice_offsets)
         return y

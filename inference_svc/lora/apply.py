@@ -61,11 +61,13 @@ class PendingLinearLora:
     """A linear module's LoRA shrink, issued before the module's base matmul.
 
     y: [T, S·R] the intermediate (float32 on CUDA); stream: the side stream it is computed
-    on (None: the current stream, already ordered).
+    on (None: the current stream, already ordered); segments: the batch's segments as this
+    module's kernels read them (`LoraWeights.segments`), made once for shrink and expand.
     """
 
     y: Tensor
     stream: torch.cuda.Stream | None
+    segments: LoraSegments
 
 
 # Largest step whose linear shrinks run on the side stream. A longer step's base matmul
@@ -87,31 +89,27 @@ def start_linear_lora(
     `finish_linear_lora` joins the streams before it adds the expand.
     Args: x [T, in]; num_slices: stacked slices S of the module.
     """
+    segments = weights.segments(segs)
     if not x.is_cuda:
         return PendingLinearLora(
-            sgmv_shrink_ref(x, weights.a, weights.segments(segs), num_slices), None
+            sgmv_shrink_ref(x, weights.a, segments, num_slices), None, segments
         )
     # Allocated on the current stream, which waits for the side stream before it frees y.
     y = torch.empty(x.shape[0], weights.a.shape[1], dtype=torch.float32, device=x.device)
-    segments = weights.segments(segs)
     side = lora_side_stream(x.device) if x.shape[0] <= SIDE_STREAM_MAX_TOKENS else None
     if side is None:
         # No stream context at all: entering one (even for the current stream) costs host
         # time in every module of a long step.
         sgmv_shrink(x, weights.a, segments, num_slices, out=y)
-        return PendingLinearLora(y, None)
+        return PendingLinearLora(y, None, segments)
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
         sgmv_shrink(x, weights.a, segments, num_slices, out=y)
-    return PendingLinearLora(y, side)
+    return PendingLinearLora(y, side, segments)
 
 
 def finish_linear_lora(
-    pending: PendingLinearLora,
-    out: Tensor,
-    weights: LoraWeights,
-    segs: LoraSegments,
-    slice_offsets: Sequence[int],
+    pending: PendingLinearLora, out: Tensor, weights: LoraWeights, slice_offsets: Sequence[int]
 ) -> None:
     """Semantics: out[t, o_i:o_i+1] += B_i[slot(t)] · y_i[t] per stacked slice i.
 
@@ -120,11 +118,11 @@ def finish_linear_lora(
         slice_offsets: S+1 column offsets of the stacked slices (0 first, out last).
     """
     if not out.is_cuda:
-        sgmv_expand_ref(pending.y, weights.b, out, weights.segments(segs), slice_offsets)
+        sgmv_expand_ref(pending.y, weights.b, out, pending.segments, slice_offsets)
         return
     if pending.stream is not None:
         torch.cuda.current_stream(out.device).wait_stream(pending.stream)
-    sgmv_expand(pending.y, weights.b, out, weights.segments(segs), slice_offsets)
+    sgmv_expand(pending.y, weights.b, out, pending.segments, slice_offsets)
 
 
 def add_kv_b_absorbed_q(
