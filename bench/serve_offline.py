@@ -65,6 +65,7 @@ from bench.step_profile import StepProfile
 from inference_svc.engine.engine import LLMEngine
 from inference_svc.engine.scheduler import PrefetchTicket
 from inference_svc.engine.sequence import FinishReason
+from kernels.launch import remembered_keys
 
 GOAL_N32_VS_BASE = 0.90
 GOAL_N1000_VS_N8 = 0.95
@@ -526,7 +527,11 @@ def main(argv: list[str] | None = None) -> None:
                 + (f"÷ no LoRA {base:.3f}" if base else "")
                 + ("" if row["valid"] else "  INVALID (timed out or failed requests)")
             )
+    results["meta"]["launch_keys"] = remembered_keys()
+    save(args.out, results)
     plot(results, args.out.with_suffix(".png"))
+    most = sorted(results["meta"]["launch_keys"].items(), key=lambda kv: -kv[1])[:4]
+    print("remembered launch keys, most:", ", ".join(f"{k} {n}" for k, n in most))
     r = results.get("ratios", {})
     print(f"N=32 uniform ÷ no LoRA: {r.get('n32_uniform_vs_no_lora')} (goal ≥ {GOAL_N32_VS_BASE})")
     print(f"N=1000 zipf ÷ N=8 zipf: {r.get('n1000_zipf_vs_n8_zipf')} (goal ≥ {GOAL_N1000_VS_N8})")

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.host_math import cdiv
+from kernels.launch import fast
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -177,7 +178,7 @@ def launch_row_group_quant(
     scale = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=source.device)
     if m:
         block_m = 16 if group <= 128 else 4
-        kernel[(cdiv(m, block_m), cdiv(k, group))](
+        fast(kernel)[(cdiv(m, block_m), cdiv(k, group))](
             source, q, scale, m, k, source.stride(0), q.stride(0), scale.stride(0),
             GROUP=group, BLOCK_M=block_m, MIN_AMAX=ACT_SCALE_MIN_AMAX, QMAX=FP8_MAX,
         )  # fmt: skip
@@ -224,7 +225,7 @@ def fp8_block_dequant(
     w, scale = w.contiguous(), scale.float().contiguous()
     out = torch.empty((n, k), dtype=dtype, device=w.device)
     grid = (cdiv(n, 32), cdiv(k, 32))
-    _fp8_block_dequant_kernel[grid](
+    fast(_fp8_block_dequant_kernel)[grid](
         w, scale, out, n, k, scale.stride(0), BN=bn, BK=bk, BLOCK_N=32, BLOCK_K=32
     )
     return out
@@ -295,7 +296,7 @@ def fp8_block_linear(
     if bk % block_k:
         raise ValueError(f"fp8 block_k {bk} must be a multiple of {block_k}")
     grid = (cdiv(m, block_m), cdiv(n, block_n))
-    _fp8_block_gemm_kernel[grid](
+    fast(_fp8_block_gemm_kernel)[grid](
         x2, w, scale, y, m, n, k, x2.stride(0), w.stride(0), scale.stride(0), y.stride(0),
         BN=bn, BK=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip

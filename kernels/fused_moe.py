@@ -38,6 +38,7 @@ from kernels.int_quant import (
     per_token_quant_int8,
     per_token_quant_int8_ref,
 )
+from kernels.launch import fast
 from kernels.moe_lora import MoeLoraEpilogue, add_pair_lora
 from kernels.sgmv import dot_precision, rank_block
 
@@ -235,7 +236,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     num_bins = _align_bins(num_experts)
     starts = torch.empty(num_bins, dtype=torch.int32, device=device)  # scratch
     block_p = max(16, next_power_of_2(num_pairs))
-    _moe_align_kernel[(1,)](
+    fast(_moe_align_kernel)[(1,)](
         flat, sorted_ids, block_experts, offsets, counts, starts,
         num_pairs, num_experts, total, num_tiles,
         BLOCK_M=block_m, BLOCK_P=block_p, LOG2_BLOCK_P=block_p.bit_length() - 1,
@@ -279,15 +280,15 @@ def _moe_align_chunked(
     scratch = torch.empty(3, num_chunks, num_bins, dtype=torch.int32, device=device)
     chunk_counts, chunk_base, chunk_starts = scratch.unbind(0)
     common = {"CHUNK": chunk, "NUM_BINS": num_bins, "num_warps": 8}
-    _moe_chunk_count_kernel[(num_chunks,)](
+    fast(_moe_chunk_count_kernel)[(num_chunks,)](
         flat, chunk_counts, sorted_ids, num_pairs, num_experts, total, FILL_BLOCK=1024, **common
     )
-    _moe_chunk_offsets_kernel[(1,)](
+    fast(_moe_chunk_offsets_kernel)[(1,)](
         chunk_counts, chunk_base, block_experts, offsets, counts,
         num_chunks, num_experts, num_tiles,
         BLOCK_M=block_m, MAX_CHUNKS=ALIGN_CELLS // num_bins, TILE_BLOCK=32, **common,
     )  # fmt: skip
-    _moe_chunk_scatter_kernel[(num_chunks,)](
+    fast(_moe_chunk_scatter_kernel)[(num_chunks,)](
         flat, chunk_base, chunk_starts, sorted_ids, num_pairs, num_experts,
         LOG2_CHUNK=chunk.bit_length() - 1, **common,
     )  # fmt: skip
@@ -668,7 +669,7 @@ def grouped_gemm(
     scale = w_scale if w_scale is not None else w  # unused pointer for "float"
     block_n = tiles.block_n
     grid = (align.block_expert_ids.numel(), cdiv(n, block_n))
-    _grouped_gemm_kernel[grid](
+    fast(_grouped_gemm_kernel)[grid](
         a, a_scale, w, scale, out, align.sorted_pair_ids, align.block_expert_ids,
         n, k, align.num_pairs, rows_per_a,
         a.stride(0), a_scale.stride(0) if scheme == "block_a8" else 0, w.stride(0), w.stride(1),
@@ -737,7 +738,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, next_power_of_2(inter))
         grid = (rows, cdiv(inter, block))
-        _silu_mul_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block)
+        fast(_silu_mul_kernel)[grid](
+            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block
+        )
     return out
 
 
@@ -819,7 +822,7 @@ def moe_combine(pair_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Ten
     if tokens:
         block = min(1024, next_power_of_2(hidden))
         grid = (tokens, cdiv(hidden, block))
-        _moe_combine_kernel[grid](
+        fast(_moe_combine_kernel)[grid](
             pair_out, weights, out, hidden, pair_out.stride(0), out.stride(0), TOPK=k, BLOCK=block
         )
     return out

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.host_math import next_power_of_2
+from kernels.launch import fast
 
 INT8_QMAX = 127
 INT4_QMAX = 7
@@ -92,7 +93,7 @@ def per_token_quant_int8(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(rows, dtype=torch.float32, device=a.device)
     if rows:
         block = min(1024, next_power_of_2(k))
-        _per_token_quant_int8_kernel[(rows,)](a, q, scale, k, a.stride(0), q.stride(0), block)
+        fast(_per_token_quant_int8_kernel)[(rows,)](a, q, scale, k, a.stride(0), q.stride(0), block)
     return q, scale
 
 

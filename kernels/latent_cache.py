@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.host_math import next_power_of_2
+from kernels.launch import fast
 from kernels.rms_norm import rms_norm_ref, rms_normalize_row
 from kernels.rope import pair_columns, rope_ref, rotate_pairs
 
@@ -130,7 +131,7 @@ def write_latent_cache(
         return q_out
     cos, sin = cos.contiguous(), sin.contiguous()
     block_c = next_power_of_2(latent_dim)
-    _write_latent_cache_kernel[(tokens,)](
+    fast(_write_latent_cache_kernel)[(tokens,)](
         kv_a, norm_weight, cos, sin, slot_mapping, cache_rows, q_rope, q_out, heads,
         kv_a.stride(0), cos.stride(0), cache_rows.stride(0), q_rope.stride(0),
         q_rope.stride(1), q_out.stride(0), q_out.stride(1), eps,

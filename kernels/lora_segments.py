@@ -111,14 +111,16 @@ class LoraSegments:
             tokens = self._pair_tokens[key] = pairs // top_k
         return tokens
 
+    def capturing(self) -> bool:
+        """Whether a CUDA graph is being captured: the host counts then describe the capture
+        batch, not the batches its replays will see."""
+        return self.seg_slot.is_cuda and torch.cuda.is_current_stream_capturing()  # type: ignore[no-untyped-call]
+
     def grid_segments(self) -> int:
         """Segment programs a launcher starts: the live count, or the capacity while a CUDA
         graph is captured so that replays with more segments are covered (the padding
         segments are empty and exit at once)."""
-        capturing = (
-            self.seg_slot.is_cuda and torch.cuda.is_current_stream_capturing()  # type: ignore[no-untyped-call]
-        )
-        return self.max_segments if capturing else max(self.num_live_segments, 1)
+        return self.max_segments if self.capturing() else max(self.num_live_segments, 1)
 
 
 @triton.jit

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kernels import mla_decode_v3 as v3
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.launch import fast
 from kernels.mla_decode_parts import (
     masked_tile,
     online_softmax_step,
@@ -284,7 +285,7 @@ def mla_decode(
     block_c = next_power_of_2(latent_dim)
     if batch * heads < MERGE_MIN_PROGRAMS:
         block_c = min(block_c, MERGE_NARROW_BLOCK_C)
-    _mla_decode_merge_kernel[(batch, heads, cdiv(latent_dim, block_c))](
+    fast(_mla_decode_merge_kernel)[(batch, heads, cdiv(latent_dim, block_c))](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
@@ -322,7 +323,7 @@ def _launch_v2(
     block_t = config.kwargs["BLOCK_T"]
     if config is MLA_DECODE_CONFIGS[0] and block_c <= 256:
         block_t = 32  # v1's rule for narrow latents
-    _mla_decode_kernel[grid](
+    fast(_mla_decode_kernel)[grid](
         *args, **shape, BLOCK_H=config.kwargs["BLOCK_H"], BLOCK_T=block_t,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

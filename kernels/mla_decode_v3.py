@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.launch import fast
 from kernels.mla_decode_parts import (
     masked_tile,
     online_softmax_step,
@@ -187,7 +188,7 @@ def launch_mla_decode_v3(
     block_cv = min(block_cv, max(16, next_power_of_2(latent_dim)))
     part, lse = (out, out) if o_part is None else (o_part, lse_part)  # unused when unsplit
     grid = (cdiv(heads, block_h) * cdiv(latent_dim, block_cv), splits, batch)
-    _mla_decode_v3_kernel[grid](
+    fast(_mla_decode_v3_kernel)[grid](
         q_lat, q_rope, kv_pool, page_table, context_lens, out, part, lse,
         heads, scale,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),

@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.host_math import next_power_of_2
+from kernels.launch import fast
 from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
 from kernels.sgmv import dot_precision, num_sms
 
@@ -314,7 +315,7 @@ def _launch(
     programs = segs.grid_segments() * num_heads
     if programs_per_sm is not None:
         programs = min(programs, programs_per_sm * num_sms(x.device))
-    _mla_absorbed_lora_kernel[(programs,)](
+    fast(_mla_absorbed_lora_kernel)[(programs,)](
         x,
         out,
         w1_tensor,

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.launch import fast
 from kernels.mla_attention import mla_prefill_ref
 
 # Query rows per reference call: bounds its [H, rows, context] float32 score matrix (the
@@ -111,7 +112,7 @@ def mla_prefill_varlen(
         return
     heads, nope, rope, v_dim = q_nope.shape[1], q_nope.shape[2], q_rope.shape[2], v.shape[2]
     grid = (cdiv(max_query_len, BLOCK_M), end - first, heads)
-    _mla_prefill_kernel[grid](
+    fast(_mla_prefill_kernel)[grid](
         q_nope, q_rope, k_nope, k_rope, v, out,
         query_start_loc, context_start_loc, context_lens, first,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),

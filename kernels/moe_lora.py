@@ -36,6 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.launch import fast
 from kernels.lora_segments import LoraSegments, live_rank_columns
 from kernels.sgmv import dot_precision, num_sms, plan_split_k, rank_block
 
@@ -584,7 +585,7 @@ def _moe_lora(
     walk = _PairWalk.of(pair_token, pair_expert, segs, pair_order)
     y = _shrink_runs(x, A, walk, x_per_pair, num_slices, pool_rank)
     block_n = 128 if slice_width >= 2048 else 64
-    _moe_lora_expand_kernel[(walk.blocks, num_slices * cdiv(slice_width, block_n))](
+    fast(_moe_lora_expand_kernel)[(walk.blocks, num_slices * cdiv(slice_width, block_n))](
         y,
         B,
         out,
@@ -648,7 +649,7 @@ def _shrink_runs(
     block_r = rank_block(pool_rank)
     rank_programs = num_slices * cdiv(pool_rank, block_r)
     block_k, k_per_split, split_k = plan_split_k(k_dim, walk.blocks * rank_programs)
-    _moe_lora_shrink_kernel[(walk.blocks, rank_programs, split_k)](
+    fast(_moe_lora_shrink_kernel)[(walk.blocks, rank_programs, split_k)](
         x,
         A,
         y,
@@ -698,7 +699,7 @@ def _moe_lora_pairs(
     chunks = min(n_blocks, wanted_chunks)
     cols_per_program = cdiv(n_blocks, chunks) * block_n
     chunks = cdiv(slice_width, cols_per_program)
-    _moe_lora_pair_kernel[(num_pairs * num_slices * chunks,)](
+    fast(_moe_lora_pair_kernel)[(num_pairs * num_slices * chunks,)](
         x, A, B, out, pair_token, pair_expert, segs.token_slot, segs.slot_rank,
         k_dim, slice_width, pool_rank, A.shape[1], B.shape[1], cols_per_program, chunks,
         *x.stride(), *A.stride(), *B.stride(), *out.stride(),

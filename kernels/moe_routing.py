@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.launch import fast
 
 METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 # Whether the model's routers with expert groups select in the kernel (bench.kernel_variants
@@ -209,7 +210,7 @@ def select_experts(
     block_t = max(1, min(16, 4096 // block_e))
     # The greedy methods renormalise only when k > 1 (a lone weight is left as it is).
     norm = norm_topk_prob and (top_k > 1 or method == "noaux_tc")
-    _select_experts_kernel[(cdiv(tokens, block_t),)](
+    fast(_select_experts_kernel)[(cdiv(tokens, block_t),)](
         logits, bias if bias is not None else logits, weights, ids, tokens, experts,
         logits.stride(0), float(scaling),
         TOP_K=top_k, METHOD=METHODS[method], N_GROUP=n_group, TOPK_GROUP=topk_group,

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels.fused_moe import moe_combine_ref, weighted_pair_sum
 from kernels.host_math import next_power_of_2
+from kernels.launch import fast
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -136,7 +137,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                       device=x.device)  # fmt: skip
     if rows:
         block = next_power_of_2(dim)
-        _rms_norm_kernel[(rows,)](
+        fast(_rms_norm_kernel)[(rows,)](
             x, weight, out, dim, x.stride(0), out.stride(0), eps, BLOCK_D=block,
             num_warps=_num_warps(block),
         )  # fmt: skip
@@ -188,7 +189,7 @@ def add_rms_norm(
         b = tensors[-1] if tensors else residual
         block = next_power_of_2(dim)
         y32 = y_float if y_float is not None else out  # never written without a copy
-        _add_rms_norm_kernel[(rows,)](
+        fast(_add_rms_norm_kernel)[(rows,)](
             residual, a, b, pairs, pair_weights, weight, h, out, y32, dim,
             residual.stride(0), a.stride(0), b.stride(0), pairs.stride(0), h.stride(0),
             out.stride(0), y32.stride(0), eps,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.launch import fast
 
 
 def rope_ref(
@@ -95,7 +96,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
     if tokens:
         block_m = min(16, next_power_of_2(heads))
-        _rope_kernel[(tokens, cdiv(heads, block_m))](
+        fast(_rope_kernel)[(tokens, cdiv(heads, block_m))](
             x3, cos, sin, out, heads,
             x3.stride(0), x3.stride(1), cos.stride(0), out.stride(0), out.stride(1),
             HALF=half, BLOCK_M=block_m, BLOCK_HALF=next_power_of_2(half),

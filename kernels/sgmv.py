@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.launch import fast
 from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
 
 # Expand supports this many stacked slices (DeepSeek needs 2: qkv_a, gate_up).
@@ -370,6 +371,13 @@ def plan_split_k(k_dim: int, programs: int) -> tuple[int, int, int]:
     return block_k, k_per_split, cdiv(k_dim, k_per_split)
 
 
+def planned_split(seg_items: int, target_items: int, k_blocks: int) -> int:
+    """K splits of the planned shrink for `seg_items` live (segment, rank block) items: the
+    host's copy of the kernel's own rule (it must match: the split decides whether y needs
+    zeros for its atomic adds)."""
+    return min(max(target_items // max(seg_items, 1), 1), k_blocks)
+
+
 def rank_block(pool_rank: int) -> int:
     """Rank tile: the pool rank rounded up to a power of two, within tl.dot's 16..64."""
     return min(max(next_power_of_2(pool_rank), 16), 64)
@@ -436,19 +444,24 @@ def sgmv_shrink(
     out: Tensor | None = None,
     *,
     variant: str = DEFAULT_VARIANT,
+    zero_unused: bool = True,
 ) -> Tensor:
     """Shrink every token by its segment's adapter.
 
     Semantics: y[t, i*R + r] = x[t] · A[slot(t), i*R + r] for r < rank(slot(t)), else 0;
-    tokens with slot -1 get 0.
+    tokens with slot -1 get 0. With zero_unused False the "else 0" entries of `out` are
+    left as they were (the expand never reads them), and `out` is zeroed only when the
+    launch adds split-K partial sums into it.
 
     Args:
         x: [T, in] activations, fp16/bf16/fp32, same dtype as A.
         A: [slots, num_slices * R, in] pool A buffer.
         segs: segments of this batch (T = segs.num_tokens rows of x are read).
         num_slices: stacked slices S in A.
-        out: optional float32 [T, S*R] buffer; it is zeroed and written.
+        out: optional float32 [T, S*R] buffer; it is written (and zeroed, see zero_unused).
         variant: a key of SHRINK_VARIANTS (all compute the same y).
+        zero_unused: zero `out` first (the default); False skips that memset wherever the
+            launch stores each live entry once (an eager step whose segments fill the GPU).
     Returns:
         y: float32 [T, S*R] (float32 so split-K partial sums add up exactly once by
         atomics and the expand reads full precision).
@@ -462,11 +475,12 @@ def sgmv_shrink(
     segs.require_tokens(num_tokens)
     if out is None:
         out = torch.zeros(num_tokens, num_slices * pool_rank, dtype=torch.float32, device=x.device)
-    else:
-        if out.shape != (num_tokens, num_slices * pool_rank) or out.dtype != torch.float32:
-            raise ValueError(f"out must be float32 [{num_tokens}, {num_slices * pool_rank}]")
-        out.zero_()
+        zero_unused = False
+    elif out.shape != (num_tokens, num_slices * pool_rank) or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 [{num_tokens}, {num_slices * pool_rank}]")
     if num_tokens == 0:
+        if zero_unused:
+            out.zero_()
         return out
     block_r = rank_block(pool_rank)
     rank_programs = num_slices * cdiv(pool_rank, block_r)
@@ -480,16 +494,24 @@ def sgmv_shrink(
     }
     if not plan.planned:
         block_k, k_per_split, split_k = plan_split_k(k_dim, grid_segments * rank_programs)
-        _sgmv_shrink_kernel[(grid_segments, rank_programs, split_k)](
+        if zero_unused or split_k > 1:
+            out.zero_()
+        fast(_sgmv_shrink_kernel)[(grid_segments, rank_programs, split_k)](
             x, A, out, *meta, k_dim, pool_rank, k_per_split, *strides,
             BLOCK_K=block_k, ATOMIC=split_k > 1, **common,
         )  # fmt: skip
         return out
     block_k = plan.block if k_dim >= (plan.block or 0) else next_power_of_2(max(k_dim, 16))
     target_items = plan.programs_per_sm * num_sms(x.device)
-    max_items = grid_segments * rank_programs * cdiv(k_dim, block_k)
+    k_blocks = cdiv(k_dim, block_k)
+    max_items = grid_segments * rank_programs * k_blocks
     programs = min(max_items, max(target_items, grid_segments * rank_programs))
-    _sgmv_shrink_planned_kernel[(programs,)](
+    # The kernel plans its split from the live segment count, which the host knows too
+    # unless a graph is captured (its replays see other counts).
+    live_items = segs.num_live_segments * rank_programs
+    if zero_unused or segs.capturing() or planned_split(live_items, target_items, k_blocks) > 1:
+        out.zero_()
+    fast(_sgmv_shrink_planned_kernel)[(programs,)](
         x, A, out, *meta, segs.num_segments, k_dim, pool_rank, rank_programs, target_items,
         *strides, BLOCK_K=block_k, **common,
     )  # fmt: skip
@@ -551,7 +573,7 @@ def sgmv_expand(
     programs = grid_segments * n_blocks
     if plan.planned:
         programs = min(programs, plan.programs_per_sm * num_sms(out.device))
-    _sgmv_expand_kernel[(programs,)](
+    fast(_sgmv_expand_kernel)[(programs,)](
         y, B, out, segs.seg_indptr, segs.seg_slot, segs.slot_rank, segs.num_segments,
         n_blocks, pool_rank, out_total, *slice_cols[:2], *slice_blocks[:2],
         *y.stride(), *B.stride(), *out.stride(),

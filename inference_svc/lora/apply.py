@@ -95,16 +95,18 @@ def start_linear_lora(
             sgmv_shrink_ref(x, weights.a, segments, num_slices), None, segments
         )
     # Allocated on the current stream, which waits for the side stream before it frees y.
+    # Only the expand reads y, and only its live entries: the shrink zeroes it only where
+    # it adds split-K partial sums (a long eager step skips one memset per module).
     y = torch.empty(x.shape[0], weights.a.shape[1], dtype=torch.float32, device=x.device)
     side = lora_side_stream(x.device) if x.shape[0] <= SIDE_STREAM_MAX_TOKENS else None
     if side is None:
         # No stream context at all: entering one (even for the current stream) costs host
         # time in every module of a long step.
-        sgmv_shrink(x, weights.a, segments, num_slices, out=y)
+        sgmv_shrink(x, weights.a, segments, num_slices, out=y, zero_unused=False)
         return PendingLinearLora(y, None, segments)
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
-        sgmv_shrink(x, weights.a, segments, num_slices, out=y)
+        sgmv_shrink(x, weights.a, segments, num_slices, out=y, zero_unused=False)
     return PendingLinearLora(y, side, segments)
 
 

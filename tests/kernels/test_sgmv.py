@@ -11,10 +11,18 @@ import itertools
 import pytest
 import torch
 
-from kernels.lora_segments import LoraSegmentsConfig, allocate_lora_segments, build_lora_segments
+from kernels.host_math import cdiv
+from kernels.lora_segments import (
+    LoraSegmentsConfig,
+    allocate_lora_segments,
+    build_lora_segments,
+    live_rank_columns,
+)
 from kernels.sgmv import (
     EXPAND_VARIANTS,
     SHRINK_VARIANTS,
+    plan_split_k,
+    planned_split,
     sgmv_expand,
     sgmv_expand_ref,
     sgmv_shrink,
@@ -140,6 +148,42 @@ def test_kernels_never_read_past_a_slot_rank(variants) -> None:  # type: ignore[
         sgmv_expand_ref(sgmv_shrink_ref(x, A, segs, 2), B, out, segs, QKV_A_SLICES),
         torch.float32,
     )
+
+
+@pytest.mark.parametrize("variant", list(SHRINK_VARIANTS))
+@pytest.mark.parametrize(
+    ("popularity", "num_tokens"),
+    # The CPU has 1 "SM": the default planned shrink aims at 8 items. 60 distinct one-token
+    # segments × 2 slices store once each (no memset); one adapter's 10 tokens (1 segment ×
+    # 2 slices) split K=300 and add partial sums into zeros.
+    [("distinct", 60), ("identical", 10)],
+)
+def test_shrink_without_zeroing_leaves_only_unread_entries_unset(
+    popularity, num_tokens, variant
+) -> None:  # type: ignore[no-untyped-def]
+    """`zero_unused=False` (the model's linear LoRA): y starts as NaN; its live entries equal
+    the reference and the expand (which reads only those) too; the other entries stay NaN
+    exactly when the launch stores each live entry once, else they are zeros."""
+    segs, x, A, B, out = sgmv_case(popularity, num_tokens, 300, QKV_A_SLICES, 16, torch.float32, 8)
+    y = torch.full((num_tokens, 32), float("nan"))
+    sgmv_shrink(x, A, segs, 2, out=y, variant=variant, zero_unused=False)
+    y_ref = sgmv_shrink_ref(x, A, segs, 2)
+    slot = segs.token_slot[:num_tokens].long()
+    live = live_rank_columns(segs.slot_rank, slot, 16).repeat(1, 2)  # [T, 32]
+    assert (~live).any()
+    assert_close(y[live], y_ref[live], torch.float32)
+    plan = SHRINK_VARIANTS[variant]
+    if plan.planned:
+        target = plan.programs_per_sm  # × 1 SM
+        split = planned_split(segs.num_live_segments * 2, target, cdiv(300, plan.block))
+    else:
+        split = plan_split_k(300, segs.num_live_segments * 2)[2]
+    if variant == "planned":  # both paths covered by the default variant
+        assert split == (1 if popularity == "distinct" else 3)
+    unread = y[~live]
+    assert bool(unread.isnan().all() if split == 1 else (unread == 0).all())
+    got = sgmv_expand(y, B, out.clone(), segs, QKV_A_SLICES)
+    assert_close(got, sgmv_expand_ref(y_ref, B, out, segs, QKV_A_SLICES), torch.float32)
 
 
 @pytest.mark.parametrize("half", ["q_a_only", "kv_a_only"])
