@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kernels.host_math import cdiv
 from kernels.launch import fast
+from kernels.pdl import grid_dependency_control
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -149,6 +150,7 @@ def _group_quant_fp8_kernel(
     a_ptr, q_ptr, s_ptr, M, K, stride_am, stride_qm, stride_sm,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_control()
     rows, cols, mask = row_group_tile(M, K, GROUP, BLOCK_M)
     x = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :], mask=mask, other=0.0)
     store_row_groups(
@@ -202,6 +204,7 @@ def _fp8_block_dequant_kernel(
     w_ptr, s_ptr, out_ptr, N, K, stride_sn,
     BN: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_control()
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -246,6 +249,7 @@ def _fp8_block_gemm_kernel(
     BN: tl.constexpr, BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_control()
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -40,6 +40,7 @@ from kernels.int_quant import (
 )
 from kernels.launch import fast
 from kernels.moe_lora import MoeLoraEpilogue, add_pair_lora
+from kernels.pdl import grid_dependency_control
 from kernels.sgmv import dot_precision, rank_block
 
 # How grouped_gemm reads a weight (`scheme=`; None picks "float" / "block" by w_scale):
@@ -174,6 +175,7 @@ def _moe_align_kernel(
 ):  # fmt: skip
     # One program: P ≤ BLOCK_P pairs fit in registers, so counting, the scan and a stable
     # sort happen on-chip.
+    grid_dependency_control()
     offs_p = tl.arange(0, BLOCK_P)
     real = offs_p < num_pairs
     expert = tl.load(ids_ptr + offs_p, mask=real, other=0).to(tl.int32)
@@ -300,6 +302,7 @@ def _moe_chunk_count_kernel(
     ids_ptr, chunk_counts_ptr, sorted_ids_ptr, num_pairs, num_experts, total,
     CHUNK: tl.constexpr, NUM_BINS: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_control()
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     real = offs < num_pairs
@@ -323,6 +326,7 @@ def _moe_chunk_offsets_kernel(
     BLOCK_M: tl.constexpr, MAX_CHUNKS: tl.constexpr, NUM_BINS: tl.constexpr,
     CHUNK: tl.constexpr, TILE_BLOCK: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_control()
     chunks = tl.arange(0, MAX_CHUNKS)
     bins = tl.arange(0, NUM_BINS)
     is_expert = bins < num_experts
@@ -342,6 +346,7 @@ def _moe_chunk_scatter_kernel(
     ids_ptr, chunk_base_ptr, chunk_starts_ptr, sorted_ids_ptr, num_pairs, num_experts,
     CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_control()
     chunk = tl.program_id(0)
     local = tl.arange(0, CHUNK)
     real = chunk * CHUNK + local < num_pairs
@@ -468,6 +473,7 @@ def _grouped_gemm_kernel(
 ):  # fmt: skip
     # SCHEME: 0 float, 1 block-scaled, 2 w8a8, 3 int4_group, 4 block_a8 (WEIGHT_SCHEMES).
     # LORA_SLICES > 0: add the MoeLoraEpilogue (l*/L* arguments) to the tile before rounding.
+    grid_dependency_control()
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
@@ -719,6 +725,7 @@ def silu_times(g, u):
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    grid_dependency_control()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -757,6 +764,7 @@ def _silu_mul_quant_fp8_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr,
 ):  # fmt: skip
     # The quantizer's tile of the activation [M, inter]; gate_up [M, 2·inter] gives it.
+    grid_dependency_control()
     rows, cols, mask = row_group_tile(M, inter, GROUP, BLOCK_M)
     gate = x_ptr + rows[:, None] * stride_x + cols[None, :]
     g = tl.load(gate, mask=mask, other=0.0)
@@ -804,6 +812,7 @@ def weighted_pair_sum(y_ptr, w_ptr, token, cols, mask, stride_y, TOPK: tl.conste
 def _moe_combine_kernel(
     y_ptr, w_ptr, out_ptr, hidden, stride_y, stride_o, TOPK: tl.constexpr, BLOCK: tl.constexpr
 ):
+    grid_dependency_control()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kernels.host_math import next_power_of_2
 from kernels.launch import fast
+from kernels.pdl import grid_dependency_control
 
 INT8_QMAX = 127
 INT4_QMAX = 7
@@ -64,6 +65,7 @@ def per_token_quant_int8_ref(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 @triton.jit
 def _per_token_quant_int8_kernel(a_ptr, q_ptr, s_ptr, K, stride_a, stride_q, BLOCK: tl.constexpr):
     # One program per row; the row is read twice (amax, then quantize) in BLOCK chunks.
+    grid_dependency_control()
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):

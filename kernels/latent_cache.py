@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kernels.host_math import next_power_of_2
 from kernels.launch import fast
+from kernels.pdl import grid_dependency_control
 from kernels.rms_norm import rms_norm_ref, rms_normalize_row
 from kernels.rope import pair_columns, rope_ref, rotate_pairs
 
@@ -59,6 +60,7 @@ def _write_latent_cache_kernel(
     C: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_control()
     t = tl.program_id(0).to(tl.int64)
     source = kv_a_ptr + t * stride_kv
     dest = cache_ptr + tl.load(slot_ptr + t) * stride_cache

@@ -13,7 +13,8 @@ class only for `do_not_specialize` parameters, whose value Triton does not speci
 floats by type, everything else (constexprs: ints, strings, bools, None) by value. A key
 seen for the first time goes through Triton's own launch, which compiles if needed.
 
-Under TRITON_INTERPRET=1 (CPU tests) kernels are interpreted functions: every call goes
+Compiled kernels are launched with programmatic dependent launch where `kernels.pdl` says
+so. Under TRITON_INTERPRET=1 (CPU tests) kernels are interpreted functions: every call goes
 through Triton.
 """
 
@@ -28,6 +29,8 @@ from triton import knobs
 from triton.knobs import HookChain
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+
+from kernels import pdl
 
 # Compiled-kernel entries a kernel keeps; past it the cache starts again. Integers are keyed
 # by value, so an argument that takes a new value every step (a token count not marked
@@ -111,7 +114,9 @@ class FastLaunch:
         key = (device, options, launch_key(values, self._loose))
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self.kernel[grid](*args, **kwargs)
+            # Every kernel of kernels/ waits for its predecessor's writes first (kernels.pdl),
+            # so it may be launched before that predecessor has finished.
+            compiled = self.kernel[grid](*args, **kwargs, launch_pdl=pdl.enabled())
             if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
                 compiled = compiled.result()
             if len(self._cache) >= MAX_ENTRIES:

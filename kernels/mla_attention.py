@@ -29,6 +29,7 @@ from kernels.mla_decode_parts import (
     paged_rows,
     split_range,
 )
+from kernels.pdl import grid_dependency_control
 
 
 def gather_paged_rows(
@@ -78,6 +79,7 @@ def _mla_decode_kernel(
 ):  # fmt: skip
     # Head blocks vary fastest: the programs of one sequence run together and share its
     # K/V rows through L2 instead of each reading them from memory (H=128: 8 blocks).
+    grid_dependency_control()
     head_block, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < H
@@ -139,6 +141,7 @@ def _mla_decode_merge_kernel(
     C: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_CHUNK: tl.constexpr, num_splits,
 ):  # fmt: skip
     """out[b, h, column block] = Σ_s w_s · o_part[b, h, s] / Σ_s w_s, w_s = exp(lse_s − max)."""
+    grid_dependency_control()
     b, h, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lse_row = lse_part_ptr + b * stride_lb + h * stride_lh
     offs_chunk = tl.arange(0, SPLIT_CHUNK)

@@ -38,6 +38,7 @@ from kernels.mla_decode_parts import (
     paged_rows,
     split_range,
 )
+from kernels.pdl import grid_dependency_control
 
 # ~2 resident programs on each of an H100/H200's 132 SMs.
 TARGET_PROGRAMS = 264
@@ -58,6 +59,7 @@ def _mla_decode_v3_kernel(
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CV: tl.constexpr,
     num_splits, SINGLE_SPLIT: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_control()
     C_BLOCKS: tl.constexpr = (C + BLOCK_CV - 1) // BLOCK_CV
     # Column blocks vary fastest, then head blocks: every program of one sequence runs at
     # the same time and reads its latent rows from L2 after the first one fetched them.

@@ -24,6 +24,7 @@ from torch import Tensor
 from kernels.host_math import next_power_of_2
 from kernels.launch import fast
 from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
+from kernels.pdl import grid_dependency_control
 from kernels.sgmv import dot_precision, num_sms
 
 # v1: one program per (segment, head); planned: at most this many programs per SM walk the
@@ -144,6 +145,7 @@ def _mla_absorbed_lora_kernel(
     """v1: one program per (segment, head) of the grid. planned: a fixed grid walks the
     (live segment, head) items, so a graph captured for 256 tokens does not start 256 × H
     programs when few segments are live."""
+    grid_dependency_control()
     first, last, step = tl.program_id(0), tl.program_id(0) + 1, 1
     if PLANNED:
         last, step = tl.load(num_segments_ptr) * H, tl.num_programs(0)

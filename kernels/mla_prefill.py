@@ -26,6 +26,7 @@ import triton.language as tl
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.launch import fast
 from kernels.mla_attention import mla_prefill_ref
+from kernels.pdl import grid_dependency_control
 
 # Query rows per reference call: bounds its [H, rows, context] float32 score matrix (the
 # CPU serving path runs the reference).
@@ -141,6 +142,7 @@ def _mla_prefill_kernel(
     NOPE_P: tl.constexpr, ROPE_P: tl.constexpr, V_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_control()
     m_block = tl.program_id(0)
     seq = first + tl.program_id(1)
     head = tl.program_id(2)

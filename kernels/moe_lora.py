@@ -38,6 +38,7 @@ from torch import Tensor
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.launch import fast
 from kernels.lora_segments import LoraSegments, live_rank_columns
+from kernels.pdl import grid_dependency_control
 from kernels.sgmv import dot_precision, num_sms, plan_split_k, rank_block
 
 BLOCK_P = 16
@@ -113,6 +114,7 @@ def _moe_lora_shrink_kernel(
     ATOMIC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    grid_dependency_control()
     pid_sr = tl.program_id(1)  # slice * rank_blocks + rank_block
     k_lo = tl.program_id(2) * k_per_split
     offs = tl.arange(0, BLOCK_P)
@@ -192,6 +194,7 @@ def _moe_lora_expand_kernel(
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    grid_dependency_control()
     n_blocks = tl.cdiv(N, BLOCK_N)
     slice_idx = tl.program_id(1) // n_blocks
     offs_n = (tl.program_id(1) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -266,6 +269,7 @@ def _moe_lora_pair_kernel(
 ):
     """out[p, slice cols of chunk] += B[slot, eB, cols, :rank] · (A[slot, eA, slice rows] · x)
     for one (pair, slice, column chunk); y [rank] stays in float32 registers."""
+    grid_dependency_control()
     item = tl.program_id(0)
     chunk = item % chunks
     slice_idx = (item // chunks) % NUM_SLICES

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.launch import fast
+from kernels.pdl import grid_dependency_control
 
 METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 # Whether the model's routers with expert groups select in the kernel (bench.kernel_variants
@@ -132,6 +133,7 @@ def _select_experts_kernel(
     NORM: tl.constexpr, NORM_EPS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_control()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok, col_ok = rows < num_tokens, cols < num_experts

@@ -18,6 +18,7 @@ import triton.language as tl
 from kernels.fused_moe import moe_combine_ref, weighted_pair_sum
 from kernels.host_math import next_power_of_2
 from kernels.launch import fast
+from kernels.pdl import grid_dependency_control
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,6 +84,7 @@ def rms_normalize_row(x, w_ptr, cols, mask, D, eps):
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps, BLOCK_D: tl.constexpr
 ):  # fmt: skip
+    grid_dependency_control()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -100,6 +102,7 @@ def _add_rms_norm_kernel(
 ):  # fmt: skip
     # The first addend is the routed pairs' combine (TOPK > 0, as moe_combine sums it) or
     # a; then b (or a after the pairs) when there are two.
+    grid_dependency_control()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D

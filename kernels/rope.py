@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.launch import fast
+from kernels.pdl import grid_dependency_control
 
 
 def rope_ref(
@@ -67,6 +68,7 @@ def _rope_kernel(
     HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERLEAVE: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_control()
     t = tl.program_id(0).to(tl.int64)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_i = tl.arange(0, BLOCK_HALF)

@@ -25,6 +25,7 @@ from torch import Tensor
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.launch import fast
 from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
+from kernels.pdl import grid_dependency_control
 
 # Expand supports this many stacked slices (DeepSeek needs 2: qkv_a, gate_up).
 MAX_SLICES = 3
@@ -121,6 +122,7 @@ def _sgmv_shrink_kernel(
 ):
     """v1: one program per (segment, slice/rank block, K split), split planned on the host
     (acq_rel atomics: each one fences, MEMBAR.ALL.GPU + CCTL.IVALL in SASS)."""
+    grid_dependency_control()
     _shrink_item(
         x_ptr,
         a_ptr,
@@ -178,6 +180,7 @@ def _sgmv_shrink_planned_kernel(
     """planned: a fixed grid walks (live segment, slice/rank block, K split) items; the split
     is planned here from the live segment count, so a graph captured for 256 tokens and
     replayed with one adapter still spreads K over the GPU (relaxed atomics: no fences)."""
+    grid_dependency_control()
     seg_items = tl.load(num_segments_ptr) * rank_programs
     k_blocks = tl.cdiv(K, BLOCK_K)
     split = tl.minimum(tl.maximum(target_items // tl.maximum(seg_items, 1), 1), k_blocks)
@@ -317,6 +320,7 @@ def _sgmv_expand_kernel(
     """v1: one program per (segment, column block) of the grid. planned: a fixed grid walks
     the (live segment, column block) items, so padding segments of a graph captured for more
     tokens cost no programs."""
+    grid_dependency_control()
     first, last, step = tl.program_id(0), tl.program_id(0) + 1, 1
     if PLANNED:
         last, step = tl.load(num_segments_ptr) * n_blocks, tl.num_programs(0)

@@ -7,17 +7,22 @@ The key is plain host logic (CPU tests); the launches themselves need compiled k
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from kernels.launch import FastLaunch, launch_key
+from kernels.pdl import grid_dependency_control
 
 
 @triton.jit(do_not_specialize=["n_loose"])
 def _scale_kernel(x_ptr, out_ptr, n, n_loose, scale, BLOCK: tl.constexpr, ADD_ONE: tl.constexpr):
     """out[i] = x[i] · scale (+ 1) for i < min(n, n_loose)."""
+    grid_dependency_control()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = (offs < n) & (offs < n_loose)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -25,6 +30,24 @@ def _scale_kernel(x_ptr, out_ptr, n, n_loose, scale, BLOCK: tl.constexpr, ADD_ON
     if ADD_ONE:
         y = y + 1.0
     tl.store(out_ptr + offs, y, mask=mask)
+
+
+def test_every_kernel_waits_for_its_predecessor_first() -> None:
+    """Launches may overlap the previous kernel (kernels.pdl), which is safe only if each
+    kernel's first statement waits for that kernel's writes."""
+    kernels_dir = Path(__file__).parents[2] / "kernels"
+    checked = []
+    for path in sorted(kernels_dir.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            jit = any("triton.jit" in ast.unparse(d) for d in getattr(node, "decorator_list", []))
+            if not (isinstance(node, ast.FunctionDef) and jit and node.name.endswith("_kernel")):
+                continue
+            body = node.body
+            if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]  # the docstring
+            assert ast.unparse(body[0]) == "grid_dependency_control()", f"{path.name}:{node.name}"
+            checked.append(node.name)
+    assert len(checked) >= 28, checked
 
 
 def _key(*values: object, loose: frozenset[int] = frozenset()) -> tuple[object, ...]:
@@ -143,3 +166,33 @@ def test_launch_hooks_still_see_remembered_launches() -> None:
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert seen == ["_scale_kernel"] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_chained_launches_read_their_predecessors_writes(graph: bool) -> None:
+    """200 launches, each reading what the one before wrote (x ← 1.01·x + 1 in place, one
+    big grid so launches overlap if they may): with PDL the chain must still be serial."""
+    launch = FastLaunch(_scale_kernel)
+    n = 1 << 20
+    x = torch.ones(n, device="cuda")
+    grid = (n // 1024,)
+
+    def chain() -> None:
+        for _ in range(200):
+            launch[grid](x, x, n, n, 1.01, BLOCK=1024, ADD_ONE=True)
+
+    chain()  # compiles and remembers outside any capture
+    x.fill_(1.0)
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            chain()
+        x.fill_(1.0)
+        g.replay()
+    else:
+        chain()
+    expected = torch.ones(1, dtype=torch.float64, device="cuda")
+    for _ in range(200):
+        expected = expected * torch.tensor(1.01, dtype=torch.float32).double() + 1.0
+    torch.testing.assert_close(x, expected.float().expand(n), rtol=1e-5, atol=0)
