@@ -421,10 +421,23 @@ EXPAND_VARIANTS = {
     "v1": SgmvVariant(planned=False),
     "planned": SgmvVariant(planned=True, programs_per_sm=16, block=128),
     "planned_n64": SgmvVariant(planned=True, programs_per_sm=16, block=64),
+    # Wider tiles, more programs in flight: a prompt chunk's read-modify-write of out nearer
+    # copy bandwidth (H100, 8192 tokens × 16 adapters, expand_tiles_h100.json: q_b 68.0 →
+    # 58.3 µs, gate_up 129.5 → 96.6, o 45.1 → 42.4; floors 34.2 / 62.7 / 22.8).
+    "planned_n256_p32": SgmvVariant(planned=True, programs_per_sm=32, block=256),
 }
 # What the launchers use unless told otherwise: the prediction of docs/kernel_notes.md,
 # to be replaced by the measured best.
 DEFAULT_VARIANT = "planned"
+# Steps of at least this many tokens (eager prompt chunks) expand with LONG_STEP_EXPAND
+# unless a variant is named; decode steps (and their graphs) keep DEFAULT_VARIANT.
+LONG_STEP_TOKENS = 4096
+LONG_STEP_EXPAND = "planned_n256_p32"
+
+
+def expand_variant(num_tokens: int) -> str:
+    """The expand variant a launch of `num_tokens` tokens takes when none is named."""
+    return LONG_STEP_EXPAND if num_tokens >= LONG_STEP_TOKENS else DEFAULT_VARIANT
 
 
 def num_sms(device: torch.device) -> int:
@@ -529,7 +542,7 @@ def sgmv_expand(
     segs: LoraSegments,
     slice_offsets: Sequence[int],
     *,
-    variant: str = DEFAULT_VARIANT,
+    variant: str | None = None,
 ) -> Tensor:
     """Expand every token by its segment's adapter and add into `out` in place.
 
@@ -542,11 +555,12 @@ def sgmv_expand(
         out: [T, out_total] written in place (any float dtype, may be a strided view).
         segs: segments of this batch.
         slice_offsets: S+1 ascending column offsets, 0 first and out_total last (S <= 3).
-        variant: a key of EXPAND_VARIANTS (all compute the same out).
+        variant: a key of EXPAND_VARIANTS (all compute the same out); None: by the step's
+            length (`expand_variant`).
     """
     num_slices = len(slice_offsets) - 1
     num_tokens, out_total = out.shape
-    plan = EXPAND_VARIANTS[variant]
+    plan = EXPAND_VARIANTS[variant or expand_variant(num_tokens)]
     _check_pool(B, B.dtype, 3, "B")
     pool_rank = B.shape[2]
     if not 1 <= num_slices <= MAX_SLICES:

@@ -19,8 +19,12 @@ from kernels.lora_segments import (
     live_rank_columns,
 )
 from kernels.sgmv import (
+    DEFAULT_VARIANT,
     EXPAND_VARIANTS,
+    LONG_STEP_EXPAND,
+    LONG_STEP_TOKENS,
     SHRINK_VARIANTS,
+    expand_variant,
     plan_split_k,
     planned_split,
     sgmv_expand,
@@ -200,6 +204,12 @@ def test_half_present_qkv_a_adapter_touches_only_its_half(half) -> None:  # type
     assert (got[:, present] - out[:, present]).abs().amax() > 1e-3
     expected = out.double() + _dense_delta(x, A, B, segs, QKV_A_SLICES)
     assert_close(got, expected, torch.float32)
+
+
+def test_long_steps_expand_with_the_wide_tiles_unless_told() -> None:
+    assert expand_variant(1) == expand_variant(LONG_STEP_TOKENS - 1) == DEFAULT_VARIANT
+    assert expand_variant(LONG_STEP_TOKENS) == expand_variant(8192) == LONG_STEP_EXPAND
+    assert EXPAND_VARIANTS[LONG_STEP_EXPAND].block == 256
 
 
 def test_reference_equals_dense_delta_in_fp64() -> None:
