@@ -32,6 +32,11 @@ def _scale_kernel(x_ptr, out_ptr, n, n_loose, scale, BLOCK: tl.constexpr, ADD_ON
     tl.store(out_ptr + offs, y, mask=mask)
 
 
+# Kernels allowed statements before the wait, and how many: they only read what no kernel of
+# a step writes (model weights).
+PREFETCH_BEFORE_WAIT = {"_gemv_kernel": 4}
+
+
 def test_every_kernel_waits_for_its_predecessor_first() -> None:
     """Launches may overlap the previous kernel (kernels.pdl), which is safe only if each
     kernel's first statement waits for that kernel's writes."""
@@ -45,6 +50,8 @@ def test_every_kernel_waits_for_its_predecessor_first() -> None:
             body = node.body
             if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                 body = body[1:]  # the docstring
+            if node.name in PREFETCH_BEFORE_WAIT:
+                body = body[PREFETCH_BEFORE_WAIT[node.name] :]
             assert ast.unparse(body[0]) == "grid_dependency_control()", f"{path.name}:{node.name}"
             checked.append(node.name)
     assert len(checked) >= 28, checked
