@@ -16,7 +16,7 @@
 # windows: where a step's host time goes), mla_prefill (one-launch prefill attention vs
 # torch SDPA per sequence), grouped_gemm_decode (expert GEMM tile plans at decode batches,
 # weight bandwidth vs copy bandwidth), triton_launch (host µs per Triton launch: the
-# public call, the JIT launch, the compiled kernel directly), model_decode_fp8_a8 and
+# public call, Triton's JIT launch, kernels.launch's FastLaunch, the compiled kernel), model_decode_fp8_a8 and
 # serve_offline_fp8_a8 (FP8 experts with e4m3 activations), moe_routing (expert selection:
 # torch ops vs one launch). A benchmark cut off by its
 # limit keeps what it wrote (the serving ones rewrite their JSON after every scenario and
