@@ -145,18 +145,20 @@ def _hooked(hook: Any) -> bool:
     return not isinstance(hook, HookChain) or bool(hook.calls)
 
 
-_LAUNCHERS: dict[Any, FastLaunch] = {}
+# By id(kernel): hashing a JITFunction computes its cache key (~1 µs on the CPU machine,
+# once per launch); the FastLaunch holds the kernel, so its id is not reused.
+_LAUNCHERS: dict[int, FastLaunch] = {}
 
 
 def fast(kernel: Any) -> FastLaunch:
     """The process's one `FastLaunch` of `kernel`: `fast(kernel)[grid](...)` at call sites."""
-    launcher = _LAUNCHERS.get(kernel)
+    launcher = _LAUNCHERS.get(id(kernel))
     if launcher is None:
-        launcher = _LAUNCHERS[kernel] = FastLaunch(kernel)
+        launcher = _LAUNCHERS[id(kernel)] = FastLaunch(kernel)
     return launcher
 
 
 def remembered_keys() -> dict[str, int]:
     """Argument keys each launched kernel remembers now, by kernel name (benchmarks write it
     down: a count near MAX_ENTRIES means an argument changes every step)."""
-    return {str(getattr(k, "__name__", k)): f.entries for k, f in _LAUNCHERS.items()}
+    return {str(getattr(f.kernel, "__name__", f.kernel)): f.entries for f in _LAUNCHERS.values()}
