@@ -10,8 +10,9 @@ driver launch.
 The key is finer than Triton's specialisation, so it never picks a kernel Triton would not:
 tensors by (dtype, 16-byte alignment of the data pointer), integers by value (by width
 class only for `do_not_specialize` parameters, whose value Triton does not specialise on),
-floats by type, everything else (constexprs: ints, strings, bools, None) by value. A key
-seen for the first time goes through Triton's own launch, which compiles if needed.
+everything else (floats, strings, bools, None, triton dtypes) by type and value, plus the
+launch options. A key seen for the first time goes through Triton's own launch, which
+compiles if needed.
 
 Compiled kernels are launched with programmatic dependent launch where `kernels.pdl` says
 so. Under TRITON_INTERPRET=1 (CPU tests) kernels are interpreted functions: every call goes
