@@ -146,8 +146,8 @@ def _hooked(hook: Any) -> bool:
     return not isinstance(hook, HookChain) or bool(hook.calls)
 
 
-# By id(kernel): hashing a JITFunction computes its cache key (~1 µs on the CPU machine,
-# once per launch); the FastLaunch holds the kernel, so its id is not reused.
+# By id(kernel): hashing a JITFunction computes its cache key (0.38 µs against 0.10 for an
+# id on the CPU machine, once per launch); the FastLaunch holds the kernel, so its id is not reused.
 _LAUNCHERS: dict[int, FastLaunch] = {}
 
 
