@@ -77,8 +77,9 @@ class FastLaunch:
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self._compiled = isinstance(kernel, JITFunction)
-        if self._compiled:
+        # Interpreted kernels (TRITON_INTERPRET=1) are not JITFunctions: passed through.
+        self._jit = isinstance(kernel, JITFunction)
+        if self._jit:
             self._names = tuple(kernel.arg_names)
             self._params = frozenset(self._names)
             self._loose = frozenset(p.num for p in kernel.params if p.do_not_specialize)
@@ -95,7 +96,7 @@ class FastLaunch:
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self._compiled:
+        if not self._jit:
             self.kernel[grid](*args, **kwargs)
             return
         names = self._names

@@ -524,9 +524,10 @@ def sgmv_shrink(
     max_items = grid_segments * rank_programs * k_blocks
     programs = min(max_items, max(target_items, grid_segments * rank_programs))
     # The kernel plans its split from the live segment count, which the host knows too
-    # unless a graph is captured (its replays see other counts).
+    # unless a graph is captured (its replays see other counts). The capture query (a host
+    # call) comes last: a split > 1 settles the answer without it.
     live_items = segs.num_live_segments * rank_programs
-    if zero_unused or segs.capturing() or planned_split(live_items, target_items, k_blocks) > 1:
+    if zero_unused or planned_split(live_items, target_items, k_blocks) > 1 or segs.capturing():
         out.zero_()
     fast(_sgmv_shrink_planned_kernel)[(programs,)](
         x, A, out, *meta, segs.num_segments, k_dim, pool_rank, rank_programs, target_items,
