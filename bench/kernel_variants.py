@@ -18,6 +18,7 @@ from unittest import mock
 
 import torch
 
+import inference_svc.layers.linear as linear_layer
 import inference_svc.layers.mla as mla_layer
 import inference_svc.layers.moe as moe_layer
 import inference_svc.layers.norm as norm_layer
@@ -105,6 +106,19 @@ PATCHES = {
     # The shared experts forked before the router runs at every batch (before the router
     # ran first from 2 tokens).
     "route_first": (model_module, "ROUTE_BEFORE_FORK_MIN_TOKENS", 2**31),
+    # One token's router logits on cuBLAS (before kernels.gemv took them).
+    "router_gemv": (moe_layer, "ROUTER_GEMV", False),
+    # MLA's q_a_norm as its own launch before q_b's one-token GEMV (before it rode in it).
+    "norm_gemv": (linear_layer, "NORM_IN_GEMV", False),
+    # The MLP's silu·mul as its own launch before a one-token down GEMV (before it rode in it).
+    "silu_gemv": (linear_layer, "SILU_IN_GEMV", False),
+    # One token's W_UK / W_UV absorption as cuBLAS bmm (before the per-head GEMV).
+    "absorb_gemv": (mla_layer, "ABSORB_GEMV", False),
+    # Selection and alignment as two launches (before one program did both at decode).
+    "select_align": (moe_layer, "SELECT_AND_ALIGN_MAX_TOKENS", 0),
+    # A single token forks the shared experts before its router runs, as with cuBLAS's
+    # router (before the gemv router ran first).
+    "gemv_route_first": (model_module, "ROUTE_FIRST_WITH_ROUTER_GEMV", False),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {
@@ -117,7 +131,14 @@ VARIANTS: dict[str, frozenset[str]] = {
     "v2": frozenset(),
     **{f"v2-{name}": frozenset({name}) for name in PATCHES},
     **{f"v2+{name}": frozenset({name}) for name in UPGRADES},
+    # The fused selection + alignment launch bypasses both patched functions at decode.
+    "v2-routing": frozenset({"routing", "select_align"}),
+    "v2-align": frozenset({"align", "select_align"}),
     "v2-fusions": frozenset({"add_norm", "latent_cache", "router_input"}),
+    # This session's one-token launches, all off (docs/benchmarks.md, thirteenth session).
+    "v2-one_token": frozenset(
+        {"router_gemv", "norm_gemv", "absorb_gemv", "silu_gemv", "gemv_route_first", "select_align"}
+    ),
 }
 
 

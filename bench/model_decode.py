@@ -218,8 +218,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     write_json(args.json, meta, rows)
     labels = [f"B={b}" for b in batch_sizes]
-    series = {f"step {v}": [r["step_ms"] for r in rows if r["variant"] == v] for v in args.variants}
-    series["floor"] = [r["floor_ms"] for r in rows if r["variant"] == args.variants[0]]
+    # Rows come variant by variant; a variant named twice (a noise check) gets two series.
+    per_variant = len(batch_sizes)
+    series = {
+        f"step {v} ({i})": [r["step_ms"] for r in rows[i * per_variant : (i + 1) * per_variant]]
+        for i, v in enumerate(args.variants)
+    }
+    series["floor"] = [r["floor_ms"] for r in rows[:per_variant]]
     bar_plot(
         args.plot,
         f"decode step, V2-Lite shape (q_lora 1536), {args.experts} experts, ctx {context}, "

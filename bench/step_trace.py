@@ -21,13 +21,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu_timing import device_name
+from bench.kernel_variants import VARIANTS, kernel_variant
 from bench.lora_decode_overhead import decode_batch, make_setup, v2_lite_config
 
 Event = tuple[str, float, float, int]
 
 
-def trace(batch: int, adapters: int, layers: int, context: int, steps: int) -> list[Event]:
-    setup = make_setup(v2_lite_config(layers), "cuda", context, (batch,), graphs=True)
+def trace(
+    batch: int, adapters: int, layers: int, context: int, steps: int, variant: str = "v2"
+) -> list[Event]:
+    with kernel_variant(variant):  # the graph is captured inside it
+        setup = make_setup(v2_lite_config(layers), "cuda", context, (batch,), graphs=True)
     input_ids, metadata = decode_batch(setup, batch, adapters)
     step = functools.partial(setup.runner.execute, input_ids, metadata)
     for _ in range(5):  # the graph's first replays upload it
@@ -65,9 +69,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3, help="replays traced")
     parser.add_argument("--print", action="store_true", help="list the last step's launches")
+    parser.add_argument(
+        "--variant", default="v2", choices=sorted(VARIANTS), help="bench.kernel_variants"
+    )
     args = parser.parse_args()
-    events = trace(args.batch, args.adapters, args.layers, args.context, args.steps)
-    meta = {key: getattr(args, key) for key in ("batch", "adapters", "layers", "context", "steps")}
+    events = trace(args.batch, args.adapters, args.layers, args.context, args.steps, args.variant)
+    keys = ("batch", "adapters", "layers", "context", "steps", "variant")
+    meta = {key: getattr(args, key) for key in keys}
     meta["device"] = device_name(torch.device("cuda"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "events": events}))

@@ -165,17 +165,15 @@ def _sort_and_scatter(
     tl.store(sorted_ids_ptr + base + local - start, pair, mask=in_range)
 
 
-# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
-@triton.jit(do_not_specialize=["num_pairs", "total", "num_tiles"])
-def _moe_align_kernel(
+@triton.jit
+def align_in_one_program(
     ids_ptr, sorted_ids_ptr, block_experts_ptr, offsets_ptr, counts_ptr, starts_ptr,
     num_pairs, num_experts, total, num_tiles,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, LOG2_BLOCK_P: tl.constexpr,
     NUM_BINS: tl.constexpr, FILL_BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # One program: P ≤ BLOCK_P pairs fit in registers, so counting, the scan and a stable
-    # sort happen on-chip.
-    grid_dependency_control()
+    """`moe_align` of P ≤ BLOCK_P pairs by one program: they fit in registers, so counting,
+    the scan and a stable sort happen on-chip."""
     offs_p = tl.arange(0, BLOCK_P)
     real = offs_p < num_pairs
     expert = tl.load(ids_ptr + offs_p, mask=real, other=0).to(tl.int32)
@@ -194,6 +192,22 @@ def _moe_align_kernel(
     _sort_and_scatter(
         expert, counts, offs_p, 0, bins, starts_ptr, offsets_ptr, sorted_ids_ptr, num_experts,
         BLOCK_P, LOG2_BLOCK_P,
+    )  # fmt: skip
+
+
+# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
+@triton.jit(do_not_specialize=["num_pairs", "total", "num_tiles"])
+def _moe_align_kernel(
+    ids_ptr, sorted_ids_ptr, block_experts_ptr, offsets_ptr, counts_ptr, starts_ptr,
+    num_pairs, num_experts, total, num_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, LOG2_BLOCK_P: tl.constexpr,
+    NUM_BINS: tl.constexpr, FILL_BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    grid_dependency_control()
+    align_in_one_program(
+        ids_ptr, sorted_ids_ptr, block_experts_ptr, offsets_ptr, counts_ptr, starts_ptr,
+        num_pairs, num_experts, total, num_tiles,
+        BLOCK_M, BLOCK_P, LOG2_BLOCK_P, NUM_BINS, FILL_BLOCK, TILE_BLOCK,
     )  # fmt: skip
 
 
@@ -229,6 +243,16 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
         flat = flat.contiguous()
     if chunk:
         return _moe_align_chunked(flat, num_experts, block_m, chunk)
+    align, args, constexprs = one_program_alignment(num_pairs, num_experts, block_m, device)
+    fast(_moe_align_kernel)[(1,)](flat, *args, **constexprs)
+    return align
+
+
+def one_program_alignment(
+    num_pairs: int, num_experts: int, block_m: int, device: torch.device
+) -> tuple[MoEAlignment, tuple, dict[str, int]]:
+    """The result buffers of aligning num_pairs ≤ MAX_SINGLE_PROGRAM_PAIRS pairs in one
+    program, and `align_in_one_program`'s arguments after ids_ptr: (run-time, constexpr)."""
     total = max_padded_pairs(num_pairs, num_experts, block_m)
     num_tiles = total // block_m
     sorted_ids = torch.empty(total, dtype=torch.int32, device=device)
@@ -238,14 +262,15 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     num_bins = _align_bins(num_experts)
     starts = torch.empty(num_bins, dtype=torch.int32, device=device)  # scratch
     block_p = max(16, next_power_of_2(num_pairs))
-    fast(_moe_align_kernel)[(1,)](
-        flat, sorted_ids, block_experts, offsets, counts, starts,
-        num_pairs, num_experts, total, num_tiles,
-        BLOCK_M=block_m, BLOCK_P=block_p, LOG2_BLOCK_P=block_p.bit_length() - 1,
-        NUM_BINS=num_bins, FILL_BLOCK=1024, TILE_BLOCK=32,
-        num_warps=8 if block_p >= 1024 else 4,
-    )  # fmt: skip
-    return MoEAlignment(sorted_ids, block_experts, offsets, counts, block_m, num_pairs)
+    args = (sorted_ids, block_experts, offsets, counts, starts, num_pairs, num_experts, total,
+            num_tiles)  # fmt: skip
+    constexprs = {
+        "BLOCK_M": block_m, "BLOCK_P": block_p, "LOG2_BLOCK_P": block_p.bit_length() - 1,
+        "NUM_BINS": num_bins, "FILL_BLOCK": 1024, "TILE_BLOCK": 32,
+        "num_warps": 8 if block_p >= 1024 else 4,
+    }  # fmt: skip
+    align = MoEAlignment(sorted_ids, block_experts, offsets, counts, block_m, num_pairs)
+    return align, args, constexprs
 
 
 def _align_bins(num_experts: int) -> int:

@@ -125,16 +125,14 @@ def _best_groups(
     return keep
 
 
-# Per-step token counts unspecialised: no compile per count class mid-serving.
-@triton.jit(do_not_specialize=["num_tokens"])
-def _select_experts_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_l, scaling,
+@triton.jit
+def select_rows(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, rows, num_tokens, num_experts, stride_l, scaling,
     TOP_K: tl.constexpr, METHOD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NORM: tl.constexpr, NORM_EPS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, NORM_EPS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    grid_dependency_control()
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """Select the experts of `rows` [BLOCK_T] (those < num_tokens) and store their weights
+    and ids [T, k]; shared by every kernel that selects, so they all choose alike."""
     cols = tl.arange(0, BLOCK_E)
     row_ok, col_ok = rows < num_tokens, cols < num_experts
     rows64 = tl.where(row_ok, rows, 0).to(tl.int64)  # rows past T read row 0, never stored
@@ -152,15 +150,17 @@ def _select_experts_kernel(
         scores = exps / tl.sum(exps, axis=1)[:, None]
         choice = tl.where(col_ok[None, :], scores, float("-inf"))
     if N_GROUP > 1:
-        keep = _best_groups(choice, cols, BLOCK_T, BLOCK_E, N_GROUP, TOPK_GROUP, METHOD == 2)
+        keep = _best_groups(
+            choice, cols, rows.shape[0], BLOCK_E, N_GROUP, TOPK_GROUP, METHOD == 2
+        )  # fmt: skip
         if METHOD == 2:
             choice = tl.where(keep, choice, float("-inf"))
         else:  # the reference zeroes the other groups' scores, then takes the top-k
             scores = tl.where(keep, scores, 0.0)
             choice = scores
     k_cols = tl.arange(0, BLOCK_K)
-    weights = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-    ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int64)
+    weights = tl.zeros((rows.shape[0], BLOCK_K), tl.float32)
+    ids = tl.zeros((rows.shape[0], BLOCK_K), tl.int64)
     for j in tl.static_range(TOP_K):
         best = tl.argmax(choice, axis=1)  # ties: the lowest expert id
         hit = cols[None, :] == best[:, None]
@@ -176,6 +176,22 @@ def _select_experts_kernel(
     mask = row_ok[:, None] & (k_cols[None, :] < TOP_K)
     tl.store(weights_ptr + out, weights, mask=mask)
     tl.store(ids_ptr + out, ids, mask=mask)
+
+
+# Per-step token counts unspecialised: no compile per count class mid-serving.
+@triton.jit(do_not_specialize=["num_tokens"])
+def _select_experts_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_l, scaling,
+    TOP_K: tl.constexpr, METHOD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr, NORM_EPS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    grid_dependency_control()
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    select_rows(
+        logits_ptr, bias_ptr, weights_ptr, ids_ptr, rows, num_tokens, num_experts, stride_l,
+        scaling, TOP_K, METHOD, N_GROUP, TOPK_GROUP, NORM, NORM_EPS, BLOCK_E, BLOCK_K,
+    )  # fmt: skip
 
 
 def select_experts(
@@ -207,16 +223,28 @@ def select_experts(
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     if tokens == 0:
         return weights, ids
-    block_e = next_power_of_2(experts)
-    # A row of E scores per token in registers: fewer tokens per program for wide routers.
-    block_t = max(1, min(16, 4096 // block_e))
-    # The greedy methods renormalise only when k > 1 (a lone weight is left as it is).
-    norm = norm_topk_prob and (top_k > 1 or method == "noaux_tc")
+    block_t = selection_rows_per_program(experts)
     fast(_select_experts_kernel)[(cdiv(tokens, block_t),)](
         logits, bias if bias is not None else logits, weights, ids, tokens, experts,
-        logits.stride(0), float(scaling),
-        TOP_K=top_k, METHOD=METHODS[method], N_GROUP=n_group, TOPK_GROUP=topk_group,
-        NORM=norm, NORM_EPS=_NORM_EPS,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_power_of_2(top_k),
+        logits.stride(0), float(scaling), BLOCK_T=block_t,
+        **selection_constexprs(experts, top_k, method, n_group, topk_group, norm_topk_prob),
     )  # fmt: skip
     return weights, ids
+
+
+def selection_rows_per_program(num_experts: int) -> int:
+    """Tokens one program selects for: a row of E scores per token in registers, so fewer
+    tokens per program for wide routers."""
+    return max(1, min(16, 4096 // next_power_of_2(num_experts)))
+
+
+def selection_constexprs(
+    num_experts: int, top_k: int, method: str, n_group: int, topk_group: int, norm_topk_prob: bool
+) -> dict[str, object]:
+    """`select_rows`' compile-time arguments for a router."""
+    return {
+        "TOP_K": top_k, "METHOD": METHODS[method], "N_GROUP": n_group, "TOPK_GROUP": topk_group,
+        # The greedy methods renormalise only when k > 1 (a lone weight is left as it is).
+        "NORM": norm_topk_prob and (top_k > 1 or method == "noaux_tc"), "NORM_EPS": _NORM_EPS,
+        "BLOCK_E": next_power_of_2(num_experts), "BLOCK_K": next_power_of_2(top_k),
+    }  # fmt: skip

@@ -11,11 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_svc.layers.norm import RMSNorm
 from inference_svc.layers.quant import QuantMethod
 from inference_svc.lora.apply import LoraWeights, finish_linear_lora, start_linear_lora
+from kernels import fused_moe as fm
 from kernels.fp8 import fp8_block_linear, fp8_block_linear_ref
 from kernels.gemv import gemv, gemv_fits
 from kernels.lora_segments import LoraSegments
+
+# A norm handed to `Linear.forward` rides in the one-token kernel (kernels.gemv) instead of
+# its own launch before it: MLA's q_a_norm before q_b, ~2 µs per layer in a graphed B=1
+# step; bench patch "norm_gemv" turns it off.
+NORM_IN_GEMV = True
+# Likewise the MLP's silu(gate)·up before its down projection (bench patch "silu_gemv").
+SILU_IN_GEMV = True
 
 
 class Linear(nn.Module):
@@ -45,19 +54,37 @@ class Linear(nn.Module):
         """Load checkpoint `tensor` as slice `slice_index` of the fused weight."""
         self.quant.load(self, kind, tensor, sum(self.output_sizes[:slice_index]), None)
 
-    def forward(self, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
-        """x [T, in] → [T, out]; plus each token's LoRA delta when `lora` describes x."""
-        pending = None
-        if lora is not None and self.lora is not None:
-            # Issued first: the shrink runs beside the base matmul (see start_linear_lora).
-            pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
+    def forward(
+        self,
+        x: torch.Tensor,
+        lora: LoraSegments | None = None,
+        norm: RMSNorm | None = None,
+        gated: bool = False,
+    ) -> torch.Tensor:
+        """x [T, in] → [T, out]; plus each token's LoRA delta when `lora` describes x.
+        `norm`: x is normed by it first; `gated`: x [T, 2·in] is gate ⊕ up and the input is
+        silu(gate)·up. Both ride in the one-token kernel where that runs."""
         info = self.quant.quant_info(self)
+        has_lora = lora is not None and self.lora is not None
+        # One token without LoRA: the weight-streaming kernel. With LoRA the shrink runs on
+        # the side stream beside cuBLAS, and measured slower beside gemv (B=1 with one
+        # adapter, 8 layers: 1311 → 1367 µs, lora_decode_overhead_v24_h100.json).
+        if not has_lora and info.scale is None and x.is_cuda and gemv_fits(x, info.weight, gated):
+            if norm is not None and not NORM_IN_GEMV:
+                x, norm = norm(x), None
+            if gated and not SILU_IN_GEMV:
+                x, gated = fm.silu_mul(x), False
+            norm_args = () if norm is None else (norm.weight, norm.eps)
+            return gemv(x, info.weight, *norm_args, gated=gated)
+        if norm is not None:
+            x = norm(x)
+        if gated:
+            x = fm.silu_mul(x) if x.is_cuda else fm.silu_mul_ref(x)
+        pending = None
+        if has_lora:  # issued first: the shrink runs beside the base matmul (start_linear_lora)
+            pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
         if info.scale is None:
-            # One token without LoRA: the weight-streaming kernel. With LoRA the shrink runs
-            # on the side stream beside cuBLAS, and measured slower beside gemv (B=1 with
-            # one adapter, 8 layers: 1311 → 1367 µs, lora_decode_overhead_v24_h100.json).
-            one_token = pending is None and x.is_cuda and gemv_fits(x, info.weight)
-            y = gemv(x, info.weight) if one_token else F.linear(x, info.weight)
+            y = F.linear(x, info.weight)
         else:
             gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref
             y = gemm(x, info.weight, info.scale, info.block)

@@ -26,9 +26,15 @@ from inference_svc.layers.quant import QuantMethod, UnquantizedMethod
 from inference_svc.layers.rope import RotaryEmbedding
 from inference_svc.lora.apply import add_kv_b_absorbed_o, add_kv_b_absorbed_q
 from inference_svc.model.config import ModelConfig
+from kernels.gemv import gemv_per_head, gemv_per_head_fits
 from kernels.latent_cache import write_latent_cache, write_latent_cache_ref
 from kernels.mla_attention import mla_decode, mla_decode_ref
 from kernels.mla_prefill import mla_prefill_varlen, mla_prefill_varlen_ref
+
+# A one-token decode step absorbs W_UK into q and W_UV out of o_lat with kernels.gemv (two
+# ~2 MB per-head products that cuBLAS ran as bmm launches of ~4 µs each, not overlapped
+# with their neighbours); bench patch "absorb_gemv" turns it off.
+ABSORB_GEMV = True
 
 
 class MLAAttention(nn.Module):
@@ -88,7 +94,7 @@ class MLAAttention(nn.Module):
             kv_a = qkv_a
         else:
             q_a, kv_a = qkv_a.split([self.q_lora_rank, qkv_a.shape[-1] - self.q_lora_rank], -1)
-            q = self.q_b(self.q_a_norm(q_a), lora)
+            q = self.q_b(q_a, lora, norm=self.q_a_norm)
         q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, n], [T, H, R]
         cos, sin = cos_sin
@@ -116,7 +122,13 @@ class MLAAttention(nn.Module):
         """
         w_uk, w_uv = self._w_uk_uv()
         q_lat = q_nope.new_empty((q_nope.shape[0], self.num_heads, self.kv_lora_rank))
-        torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))  # [D, H, C]
+        # One token: both absorptions are per-head GEMVs whose weight reads overlap the
+        # previous kernel (kernels.gemv); cuBLAS's bmm waits for it to finish.
+        one_token = ABSORB_GEMV and q_nope.is_cuda and q_nope.shape[0] == 1
+        if one_token and gemv_per_head_fits(q_nope[0], w_uk.transpose(1, 2), q_lat[0]):
+            gemv_per_head(q_nope[0], w_uk.transpose(1, 2), q_lat[0])  # [H, C]
+        else:
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))  # [D, H, C]
         lora = batch.lora.decode_tokens if batch.lora is not None else None
         if lora is not None and self.kv_b.lora is not None:
             add_kv_b_absorbed_q(q_nope, q_lat, self.kv_b.lora, lora)
@@ -125,7 +137,10 @@ class MLAAttention(nn.Module):
         o_lat = attend(
             q_lat, q_rope, kv_pool, batch.page_table[:n], batch.context_lens[:n], self.scale
         )  # [D, H, C]
-        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        if one_token and gemv_per_head_fits(o_lat[0], w_uv, out[0]):
+            gemv_per_head(o_lat[0], w_uv, out[0])  # [H, v]
+        else:
+            torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
         if lora is not None and self.kv_b.lora is not None:
             add_kv_b_absorbed_o(o_lat, out, self.kv_b.lora, lora)
 

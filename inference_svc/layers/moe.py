@@ -27,7 +27,9 @@ from inference_svc.lora.apply import (
 from inference_svc.model.config import RoutingConfig
 from kernels import fused_moe as fm
 from kernels import moe_routing
+from kernels.gemv import gemv, gemv_fits
 from kernels.lora_segments import LoraSegments
+from kernels.moe_route_align import select_and_align, select_and_align_fits
 from kernels.moe_routing import select_experts, select_experts_ref
 from kernels.rms_norm import RoutedPairs
 
@@ -42,8 +44,14 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
         gate_up = self.gate_up(x, lora)  # [T, 2·inter]
-        act = fm.silu_mul(gate_up) if x.is_cuda else fm.silu_mul_ref(gate_up)
-        return self.down(act, lora)
+        return self.down(gate_up, lora, gated=True)
+
+
+# One token's router logits through kernels.gemv (float32 weights read before the PDL wait)
+# instead of cuBLAS's GEMV pair (dot_kernel + reduce_1Block, ~11 µs per MoE layer in a
+# graphed B=1 step, launched only after the norm had finished); bench patch
+# "router_gemv" turns it off.
+ROUTER_GEMV = True
 
 
 class Router(nn.Module):
@@ -62,21 +70,51 @@ class Router(nn.Module):
             )
 
     def forward(
-        self, x: torch.Tensor, x_float: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, x_float: torch.Tensor | None = None, block_m: int | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] → topk_weights [T, k] float32, topk_ids [T, k] int64; x_float: x as
-        float32 when the caller has it already."""
+        float32 when the caller has it already. With `block_m`, a third element: the pairs
+        aligned into row tiles of block_m when the selection's launch aligned them too
+        (SELECT_AND_ALIGN_MAX_TOKENS), else None. (Every routed token passes through here,
+        where hooks see it.)"""
+        logits = self.logits(x, x_float)  # [T, E]
+        if block_m is not None and self._aligns_in_selection(x):
+            return select_and_align(logits, *self.selection_args(), block_m)
+        select = select_experts if self.selects_in_kernel(x) else select_experts_ref
+        weights, ids = select(logits, *self.selection_args())
+        return (weights, ids) if block_m is None else (weights, ids, None)
+
+    def _aligns_in_selection(self, x: torch.Tensor) -> bool:
         r = self.routing
-        logits = (x.float() if x_float is None else x_float) @ self.weight.T  # [T, E]
-        # One launch on the GPU where it measured faster than the torch ops (routers without
-        # expert groups, kernels/moe_routing.py).
-        fused = x.is_cuda and moe_routing.kernel_selects(r.method, r.num_experts, r.n_group)
-        select = select_experts if fused else select_experts_ref
+        return (
+            x.shape[0] <= SELECT_AND_ALIGN_MAX_TOKENS
+            and self.selects_in_kernel(x)
+            and select_and_align_fits(x.shape[0], r.num_experts, r.top_k, r.n_group)
+        )
+
+    def logits(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] → float32 router logits [T, E]."""
+        x32 = x.float() if x_float is None else x_float  # [T, hidden]
+        return gemv(x32, self.weight) if self.runs_gemv(x32) else x32 @ self.weight.T
+
+    def selects_in_kernel(self, x: torch.Tensor) -> bool:
+        """One launch on the GPU where it measured faster than the torch ops (routers
+        without expert groups, and grouped ones in power-of-two groups: moe_routing)."""
+        r = self.routing
+        return x.is_cuda and moe_routing.kernel_selects(r.method, r.num_experts, r.n_group)
+
+    def selection_args(self) -> tuple:
+        """select_experts' arguments after the logits."""
+        r = self.routing
         bias = self.e_score_correction_bias if r.method == "noaux_tc" else None
-        return select(
-            logits, r.top_k, r.method, r.n_group, r.topk_group, r.norm_topk_prob,
+        return (
+            r.top_k, r.method, r.n_group, r.topk_group, r.norm_topk_prob,
             r.routed_scaling_factor, bias,
         )  # fmt: skip
+
+    def runs_gemv(self, x32: torch.Tensor) -> bool:
+        """Whether the logits of the float32 input x32 [T, hidden] come from kernels.gemv."""
+        return ROUTER_GEMV and x32.is_cuda and gemv_fits(x32, self.weight)
 
 
 class RoutedExperts(nn.Module):
@@ -115,6 +153,13 @@ class RoutedExperts(nn.Module):
         return self.quant.quant_info(self.w13), self.quant.quant_info(self.w2)
 
 
+# Steps of up to this many tokens select their experts and align the pairs in one launch
+# (kernels.moe_route_align) instead of two. H100, 27-layer V2-Lite-shaped step, graphs
+# (bench.model_decode, patch "select_align" against the default, one call): B = 1 2.772 →
+# 2.731 / 2.729 ms, but B = 8 7.807 → 7.885 / 7.890, so one token only.
+SELECT_AND_ALIGN_MAX_TOKENS = 1
+
+
 class MoeRouting(NamedTuple):
     """The router's choice for a batch: weights [T, k] float32, ids [T, k] int64, and the
     (token, expert) pairs aligned into the grouped GEMMs' row tiles."""
@@ -140,12 +185,14 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> MoeRouting:
         """x [T, hidden] → each token's experts and weights, and the pairs aligned for the
         grouped GEMMs. x_float: x as float32 for the router, when the caller made it."""
-        topk_weights, topk_ids = self.gate(x, x_float)  # [T, k]
         w13 = self.experts.quant_info()[0]
         scheme = fm.weight_scheme(w13.scheme, w13.scale)
         num_experts = self.experts.num_experts
-        block_m = fm.moe_block_m(topk_ids.numel(), num_experts, scheme)
-        align = (fm.moe_align if x.is_cuda else fm.moe_align_ref)(topk_ids, num_experts, block_m)
+        block_m = fm.moe_block_m(x.shape[0] * self.gate.routing.top_k, num_experts, scheme)
+        topk_weights, topk_ids, align = self.gate(x, x_float, block_m)  # [T, k], [T, k]
+        if align is None:
+            aligner = fm.moe_align if x.is_cuda else fm.moe_align_ref
+            align = aligner(topk_ids, num_experts, block_m)
         return MoeRouting(topk_weights, topk_ids, align)
 
     def forward(

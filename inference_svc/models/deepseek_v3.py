@@ -41,6 +41,12 @@ SHARED_EXPERTS_STREAM_MAX_TOKENS = 256
 # H100, 27-layer base step (bench.model_decode v12), route first ÷ fork first: B = 1
 # 3.387 / 3.266 ms, 64: 13.69 / 13.68, 128: 15.45 / 15.85, 256: 16.84 / 17.23.
 ROUTE_BEFORE_FORK_MIN_TOKENS = 2
+# A single token routes first too when its router runs as kernels.gemv (Router.runs_gemv):
+# chained to the norm by PDL, the three routing launches then start at once, where beside
+# the shared experts' GEMVs (which fill the SMs' registers) they waited for room. H100,
+# 27-layer B = 1 step (bench.model_decode, two calls): 2.730 vs 2.822 ms, and 2.765 vs
+# 2.775 / 2.836 (bench patch "gemv_route_first" turns it off).
+ROUTE_FIRST_WITH_ROUTER_GEMV = True
 
 
 class DecoderLayer(nn.Module):
@@ -94,7 +100,10 @@ class DecoderLayer(nn.Module):
             routed = self.moe(x, lora, combine=False, x_float=x_float)
             return h, (routed, self.mlp(x, lora))
         routing = None
-        if x.shape[0] >= ROUTE_BEFORE_FORK_MIN_TOKENS:
+        gemv_router = x_float is not None and self.moe.gate.runs_gemv(x_float)
+        if x.shape[0] >= ROUTE_BEFORE_FORK_MIN_TOKENS or (
+            ROUTE_FIRST_WITH_ROUTER_GEMV and gemv_router
+        ):
             routing = self.moe.route(x, x_float)
         # Memory stays ordered without record_stream: x is freed on this stream after the
         # join below, and `shared` (made on the side stream) is read by the next norm on

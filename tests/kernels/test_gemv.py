@@ -1,4 +1,5 @@
-"""`kernels.gemv`: the one-token matmul equals x @ Wᵀ; what it does not take it refuses.
+"""`kernels.gemv`: the one-token matmul equals x @ Wᵀ (with x's RMSNorm or silu·mul fused
+in, and per head for strided per-head weights); what it does not take it refuses.
 
 CPU: under the Triton interpreter in fp32/fp16. GPU: bf16 against float32, and a chain of
 dependent launches replayed from a CUDA graph (its weight loads run before the wait on the
@@ -10,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemv import MAX_K, gemv, gemv_fits
+from kernels.fused_moe import silu_mul, silu_mul_ref
+from kernels.gemv import MAX_K, gemv, gemv_fits, gemv_per_head, gemv_per_head_fits
 from kernels.rms_norm import rms_norm, rms_norm_ref
 
 
@@ -23,6 +25,99 @@ def test_equals_the_matmul(n_dim: int, k_dim: int, dtype: torch.dtype) -> None:
     expected = (x.double() @ w.double().T).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(gemv(x, w), expected, rtol=tol, atol=tol)
+
+
+def test_a_router_shaped_float32_weight_is_spread_over_programs() -> None:
+    """64 float32 rows of 2048 (a V2-Lite router) narrow the tile to one row per program."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 2048, generator=gen)
+    w = torch.randn(64, 2048, generator=gen) / 2048**0.5
+    torch.testing.assert_close(gemv(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_dim, k_dim", [(37, 53), (70, 1536)])
+def test_fused_norm_equals_the_norm_kernel_then_the_matmul(
+    n_dim: int, k_dim: int, dtype: torch.dtype
+) -> None:
+    """x̂ is rounded to x's dtype by the same jitted row function kernels.rms_norm stores it
+    with, so the fused launch equals the two launches (bit for bit under the interpreter).
+    x is a strided row view, as MLA's q_a is a slice of qkv_a's output."""
+    gen = torch.Generator().manual_seed(n_dim + k_dim)
+    wide = (torch.randn(1, k_dim + 9, generator=gen) * 3).to(dtype)
+    x = wide[:, :k_dim]
+    norm_w = (1 + 0.1 * torch.randn(k_dim, generator=gen)).to(dtype)
+    w = (torch.randn(n_dim, k_dim, generator=gen) / k_dim**0.5).to(dtype)
+    eps = 1e-6
+    fused = gemv(x, w, norm_w, eps)
+    torch.testing.assert_close(fused, gemv(rms_norm(x, norm_w, eps), w), rtol=0, atol=0)
+    expected = (rms_norm_ref(x, norm_w, eps).double() @ w.double().T).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(fused, expected, rtol=tol, atol=tol)
+    assert not torch.allclose(gemv(x, w), expected, rtol=tol, atol=tol)  # the norm mattered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_dim, k_dim", [(29, 45), (64, 1408)])
+def test_gated_input_equals_silu_mul_then_the_matmul(
+    n_dim: int, k_dim: int, dtype: torch.dtype
+) -> None:
+    """x = gate ⊕ up; the activation is rounded by the same jitted function silu_mul
+    stores with, so the fused launch equals the two launches (under the interpreter)."""
+    gen = torch.Generator().manual_seed(n_dim * 7 + k_dim)
+    x = (torch.randn(1, 2 * k_dim, generator=gen) * 2).to(dtype)
+    w = (torch.randn(n_dim, k_dim, generator=gen) / k_dim**0.5).to(dtype)
+    fused = gemv(x, w, gated=True)
+    torch.testing.assert_close(fused, gemv(silu_mul(x), w), rtol=0, atol=0)
+    expected = (silu_mul_ref(x).double() @ w.double().T).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(fused, expected, rtol=tol, atol=tol)
+    assert not gemv_fits(x[:, :k_dim], w, gated=True)  # gated input is twice K wide
+    assert not gemv_fits(x, w)  # and ungated it must be K wide
+    with pytest.raises(ValueError, match="then no norm"):
+        gemv(x, w, torch.ones(k_dim, dtype=dtype), 1e-6, gated=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_per_head_products_equal_the_bmm_of_the_absorbed_attention(dtype: torch.dtype) -> None:
+    """MLA's one-token absorptions: q_lat[h] = q_nope[h] · W_UK[h] (the weight's unit stride
+    along N) and out[h] = o_lat[h] · W_UV[h]ᵀ (along K), with strided rows as the model
+    passes them; 5 heads, odd widths."""
+    gen = torch.Generator().manual_seed(11)
+    heads, nope, rope_dim, v, c = 5, 24, 8, 20, 40
+    kv_b = (torch.randn(heads, nope + v, c, generator=gen) / c**0.5).to(dtype)
+    w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [H, n, C], [H, v, C]
+    q = torch.randn(1, heads, nope + rope_dim, generator=gen).to(dtype)
+    q_nope = q[0, :, :nope]  # [H, n], row stride n + R
+    q_lat = torch.full((heads, c), float("nan"), dtype=dtype)
+    gemv_per_head(q_nope, w_uk.transpose(1, 2), q_lat)
+    expected = torch.bmm(q_nope.double().unsqueeze(1), w_uk.double()).squeeze(1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(q_lat, expected.to(dtype), rtol=tol, atol=tol)
+
+    o_lat = torch.randn(heads, c, generator=gen).to(dtype)
+    out = torch.full((2, heads, v), float("nan"), dtype=dtype)[0]
+    gemv_per_head(o_lat, w_uv, out)
+    expected = torch.bmm(o_lat.double().unsqueeze(1), w_uv.double().transpose(1, 2)).squeeze(1)
+    torch.testing.assert_close(out, expected.to(dtype), rtol=tol, atol=tol)
+
+
+def test_per_head_refuses_what_it_does_not_take() -> None:
+    w = torch.randn(4, 6, 8)
+    x, out = torch.randn(4, 8), torch.empty(4, 6)
+    assert gemv_per_head_fits(x, w, out)
+    refused = {
+        "no unit stride in the weight": (x, torch.randn(4, 12, 16)[:, ::2, ::2], out),
+        "heads differ": (torch.randn(3, 8), w, out),
+        "K differs": (torch.randn(4, 9), w, out),
+        "N differs": (x, w, torch.empty(4, 7)),
+        "strided x": (torch.randn(4, 16)[:, ::2], w, out),
+        "other dtype": (x, w, torch.empty(4, 6, dtype=torch.float16)),
+    }
+    for why, args in refused.items():
+        assert not gemv_per_head_fits(*args), why
+        with pytest.raises(ValueError, match="gemv_per_head takes"):
+            gemv_per_head(*args)
 
 
 def test_weight_with_padded_rows() -> None:
@@ -55,6 +150,50 @@ def test_bf16_equals_float32_matmul(n_dim: int, k_dim: int) -> None:
     w = (torch.randn(n_dim, k_dim, device="cuda") / k_dim**0.5).to(torch.bfloat16)
     expected = x.float() @ w.float().T
     torch.testing.assert_close(gemv(x, w).float(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_v2_lite_one_token_shapes_on_the_gpu() -> None:
+    """bf16 q_b with q_a_norm fused, both per-head absorptions (16 heads), the shared
+    experts' down with silu·mul fused, and the float32 router, against float64 products of
+    the same rounded inputs."""
+    torch.manual_seed(3)
+    dev, bf16 = "cuda", torch.bfloat16
+    qkv_a = torch.randn(1, 1536 + 576, device=dev).to(bf16)
+    q_a, norm_w = qkv_a[:, :1536], (1 + 0.1 * torch.randn(1536, device=dev)).to(bf16)
+    w_qb = (torch.randn(3072, 1536, device=dev) / 1536**0.5).to(bf16)
+    normed = rms_norm(q_a, norm_w, 1e-6)
+    expected = normed.double() @ w_qb.double().T
+    torch.testing.assert_close(
+        gemv(q_a, w_qb, norm_w, 1e-6).double(), expected, rtol=1e-2, atol=1e-2
+    )
+
+    kv_b = (torch.randn(16, 256, 512, device=dev) / 512**0.5).to(bf16)
+    w_uk, w_uv = kv_b[:, :128], kv_b[:, 128:]
+    q_nope = torch.randn(1, 16, 192, device=dev).to(bf16)[0, :, :128]
+    q_lat = torch.empty(16, 512, device=dev, dtype=bf16)
+    gemv_per_head(q_nope, w_uk.transpose(1, 2), q_lat)
+    expected = torch.bmm(q_nope.double().unsqueeze(1), w_uk.double()).squeeze(1)
+    torch.testing.assert_close(q_lat.double(), expected, rtol=1e-2, atol=1e-2)
+    o_lat, out = (
+        torch.randn(16, 512, device=dev).to(bf16),
+        torch.empty(16, 128, device=dev, dtype=bf16),
+    )
+    gemv_per_head(o_lat, w_uv, out)
+    expected = torch.bmm(o_lat.double().unsqueeze(1), w_uv.double().transpose(1, 2)).squeeze(1)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+
+    gate_up = torch.randn(1, 2 * 2816, device=dev).to(bf16)  # the shared experts' down
+    w_down = (torch.randn(2048, 2816, device=dev) / 53).to(bf16)
+    expected = silu_mul(gate_up).double() @ w_down.double().T
+    torch.testing.assert_close(
+        gemv(gate_up, w_down, gated=True).double(), expected, rtol=1e-2, atol=1e-2
+    )
+
+    x, router = torch.randn(1, 2048, device=dev), torch.randn(64, 2048, device=dev) / 45
+    torch.testing.assert_close(
+        gemv(x, router).double(), x.double() @ router.double().T, rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.gpu
