@@ -20,10 +20,12 @@ from kernels.gemv import gemv, gemv_fits
 from kernels.lora_segments import LoraSegments
 
 # A norm handed to `Linear.forward` rides in the one-token kernel (kernels.gemv) instead of
-# its own launch before it: MLA's q_a_norm before q_b, ~2 µs per layer in a graphed B=1
-# step; bench patch "norm_gemv" turns it off.
+# its own launch before it: MLA's q_a_norm before q_b. H100, 27-layer V2-Lite B=1 step
+# (bench.model_decode, patch "norm_gemv" turns it off): 2.736 → 2.704 ms.
 NORM_IN_GEMV = True
-# Likewise the MLP's silu(gate)·up before its down projection (bench patch "silu_gemv").
+# Likewise the MLP's silu(gate)·up before its down projection: one launch fewer in the
+# shared experts' branch and the dense layer, no gain resolved at B=1 (patch "silu_gemv":
+# 2.901 → 2.775 / 2.836 ms in one call, 2.699 → 2.704 / 2.722 in another).
 SILU_IN_GEMV = True
 
 

@@ -49,8 +49,8 @@ class DenseMLP(nn.Module):
 
 # One token's router logits through kernels.gemv (float32 weights read before the PDL wait)
 # instead of cuBLAS's GEMV pair (dot_kernel + reduce_1Block, ~11 µs per MoE layer in a
-# graphed B=1 step, launched only after the norm had finished); bench patch
-# "router_gemv" turns it off.
+# graphed B=1 step, launched only after the norm had finished). H100, 27-layer V2-Lite
+# B=1 step (bench.model_decode, patch "router_gemv" turns it off): 2.848 → 2.704 ms.
 ROUTER_GEMV = True
 
 
@@ -155,8 +155,9 @@ class RoutedExperts(nn.Module):
 
 # Steps of up to this many tokens select their experts and align the pairs in one launch
 # (kernels.moe_route_align) instead of two. H100, 27-layer V2-Lite-shaped step, graphs
-# (bench.model_decode, patch "select_align" against the default, one call): B = 1 2.772 →
-# 2.731 / 2.729 ms, but B = 8 7.807 → 7.885 / 7.890, so one token only.
+# (bench.model_decode, patch "select_align" against the default): B = 1 2.772 → 2.731 /
+# 2.729 ms and 2.742 → 2.704 / 2.722 in two calls, but B = 8 7.807 → 7.885 / 7.890 (not
+# examined), so one token only.
 SELECT_AND_ALIGN_MAX_TOKENS = 1
 
 

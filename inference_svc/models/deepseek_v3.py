@@ -44,8 +44,8 @@ ROUTE_BEFORE_FORK_MIN_TOKENS = 2
 # A single token routes first too when its router runs as kernels.gemv (Router.runs_gemv):
 # chained to the norm by PDL, the three routing launches then start at once, where beside
 # the shared experts' GEMVs (which fill the SMs' registers) they waited for room. H100,
-# 27-layer B = 1 step (bench.model_decode, two calls): 2.730 vs 2.822 ms, and 2.765 vs
-# 2.775 / 2.836 (bench patch "gemv_route_first" turns it off).
+# 27-layer B = 1 step (bench.model_decode, three calls): 2.730 vs 2.822 ms, 2.765 vs
+# 2.775 / 2.836, and 2.704 / 2.722 vs 2.766 (bench patch "gemv_route_first" turns it off).
 ROUTE_FIRST_WITH_ROUTER_GEMV = True
 
 
