@@ -252,7 +252,8 @@ def one_program_alignment(
     num_pairs: int, num_experts: int, block_m: int, device: torch.device
 ) -> tuple[MoEAlignment, tuple, dict[str, int]]:
     """The result buffers of aligning num_pairs ≤ MAX_SINGLE_PROGRAM_PAIRS pairs in one
-    program, and `align_in_one_program`'s arguments after ids_ptr: (run-time, constexpr)."""
+    program (the callers check the bound), and `align_in_one_program`'s arguments after
+    ids_ptr: (run-time in signature order, constexpr and launch options by name)."""
     total = max_padded_pairs(num_pairs, num_experts, block_m)
     num_tiles = total // block_m
     sorted_ids = torch.empty(total, dtype=torch.int32, device=device)

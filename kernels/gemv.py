@@ -70,7 +70,8 @@ def _gemv_kernel(
 
 
 def gemv_fits(x: Tensor, weight: Tensor, gated: bool = False) -> bool:
-    """Whether `gemv` takes this matmul: one row, K within one tile, contiguous rows."""
+    """Whether `gemv` takes this matmul: one row (2K wide when `gated`: gate ⊕ up), K within
+    one tile, matching dtypes, contiguous rows."""
     return (
         x.dim() == 2
         and x.shape[0] == 1
