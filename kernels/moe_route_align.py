@@ -28,7 +28,7 @@ from kernels.fused_moe import (
 )
 from kernels.launch import fast
 from kernels.moe_routing import (
-    METHODS,
+    check_selection,
     groups_fit_kernel,
     select_rows,
     selection_constexprs,
@@ -40,9 +40,9 @@ from kernels.pdl import grid_dependency_control
 # Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
 @triton.jit(do_not_specialize=["num_tokens", "num_pairs", "total", "num_tiles"])
 def _select_align_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_l, scaling,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, stride_l, scaling,
     sorted_ids_ptr, block_experts_ptr, offsets_ptr, counts_ptr, starts_ptr,
-    num_pairs, total, num_tiles,
+    num_pairs, num_experts, total, num_tiles,
     TOP_K: tl.constexpr, METHOD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
     NORM: tl.constexpr, NORM_EPS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -87,27 +87,20 @@ def select_and_align(
     norm_topk_prob, scaling, bias); (weights, ids, moe_align(ids, E, block_m)), in one
     launch. logits [T, E] float32 → weights [T, k] float32, ids [T, k] int64, alignment."""
     tokens, experts = logits.shape
-    if method not in METHODS:
-        raise ValueError(f"unknown routing method {method!r} (known: {sorted(METHODS)})")
-    if (bias is None) != (method != "noaux_tc"):
-        raise ValueError("noaux_tc takes a correction bias; the greedy methods none")
+    check_selection(logits, method, n_group, bias)
     if not select_and_align_fits(tokens, experts, top_k, n_group):
         raise ValueError(
             f"{tokens} tokens × top-{top_k} of {experts} experts in {n_group} groups: more "
             "than one program selects and aligns (use select_experts and moe_align)"
         )
-    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}: want float32 [T, E]")
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     align, align_args, align_constexprs = one_program_alignment(
         tokens * top_k, experts, block_m, logits.device
     )
-    sorted_ids, block_experts, offsets, counts, starts, num_pairs, _, total, num_tiles = align_args
     fast(_select_align_kernel)[(1,)](
-        logits, bias if bias is not None else logits, weights, ids, tokens, experts,
-        logits.stride(0), float(scaling),
-        sorted_ids, block_experts, offsets, counts, starts, num_pairs, total, num_tiles,
+        logits, bias if bias is not None else logits, weights, ids, tokens, logits.stride(0),
+        float(scaling), *align_args,
         BLOCK_T=selection_rows_per_program(experts),
         **selection_constexprs(experts, top_k, method, n_group, topk_group, norm_topk_prob),
         **align_constexprs,

@@ -207,18 +207,8 @@ def select_experts(
     """Triton version of `select_experts_ref` (same arguments and result; ids in order of
     choice, best first). Groups must be powers of two filling the experts
     (`groups_fit_kernel`)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown routing method {method!r} (known: {sorted(METHODS)})")
-    if not groups_fit_kernel(logits.shape[1], n_group):
-        raise ValueError(
-            f"{n_group} groups of {logits.shape[1]} experts: the kernel's group limit needs "
-            "power-of-two groups (select_experts_ref takes any)"
-        )
-    if (bias is None) != (method != "noaux_tc"):
-        raise ValueError("noaux_tc takes a correction bias; the greedy methods none")
+    check_selection(logits, method, n_group, bias)
     tokens, experts = logits.shape
-    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}: want float32 [T, E]")
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     if tokens == 0:
@@ -230,6 +220,23 @@ def select_experts(
         **selection_constexprs(experts, top_k, method, n_group, topk_group, norm_topk_prob),
     )  # fmt: skip
     return weights, ids
+
+
+def check_selection(
+    logits: torch.Tensor, method: str, n_group: int, bias: torch.Tensor | None
+) -> None:
+    """What every selecting kernel requires of its arguments (ValueError otherwise)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown routing method {method!r} (known: {sorted(METHODS)})")
+    if not groups_fit_kernel(logits.shape[1], n_group):
+        raise ValueError(
+            f"{n_group} groups of {logits.shape[1]} experts: the kernel's group limit needs "
+            "power-of-two groups (select_experts_ref takes any)"
+        )
+    if (bias is None) != (method != "noaux_tc"):
+        raise ValueError("noaux_tc takes a correction bias; the greedy methods none")
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}: want float32 [T, E]")
 
 
 def selection_rows_per_program(num_experts: int) -> int:
