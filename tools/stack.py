@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,11 +32,12 @@ PORT_FLOOR = 10000  # below it: well-known and registered service ports
 # A server whose drawn port was taken between the check and its bind (another test's server
 # drawing the same one) is started again on a fresh port, this many times in all.
 PORT_ATTEMPTS = 3
-PORT_TAKEN = "Address already in use"
+PORT_TAKEN = "address already in use"
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (and whose +10000 is free too).
+def free_port(exclude: Collection[int] = ()) -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (and whose +10000 is free too),
+    and not one of `exclude` (ports drawn for the same server but not bound yet).
 
     Drawn below the kernel's ephemeral range: a port from there (what bind(0) hands out) is
     also what the next outgoing connection of any process may take, between our check and
@@ -45,9 +47,40 @@ def free_port() -> int:
     high = max(min(_ephemeral_start(), 65536) - 10000, PORT_FLOOR + 1000)
     for _ in range(200):
         port = rng.randrange(PORT_FLOOR, high)
-        if _port_free(port) and _port_free(port + 10000):
+        if port not in exclude and _port_free(port) and _port_free(port + 10000):
             return port
     raise RuntimeError("no free port found")
+
+
+def distinct_free_ports(count: int, exclude: Collection[int] = ()) -> list[int]:
+    """`count` free ports, no two alike and none of `exclude`."""
+    ports: list[int] = []
+    for _ in range(count):
+        ports.append(free_port(exclude=[*exclude, *ports]))
+    return ports
+
+
+def port_was_taken(error: BaseException) -> bool:
+    """Whether a server failed to start because its port was bound first by another process
+    (Python says "Address already in use", Go "address already in use")."""
+    return PORT_TAKEN in str(error).lower()
+
+
+def start_redrawing_taken_ports(
+    start_once: Callable[[], None], redraw: Callable[[], None] | None
+) -> None:
+    """`start_once()`; when it failed because another process bound a port first and the
+    ports were drawn rather than asked for (`redraw` given), `redraw()` and start again,
+    PORT_ATTEMPTS tries in all. `start_once` leaves no process behind when it fails."""
+    for _ in range(PORT_ATTEMPTS - 1):
+        try:
+            start_once()
+            return
+        except (TimeoutError, RuntimeError) as error:
+            if redraw is None or not port_was_taken(error):
+                raise
+        redraw()
+    start_once()
 
 
 def _ephemeral_start() -> int:
@@ -328,13 +361,29 @@ class SeaweedS3Server:
         ]
 
     def start(self) -> SeaweedS3Server:
-        self.start_process()
-        self.wait_ready()
+        # A restart keeps the ports it was given; a first start that lost one of its drawn
+        # ports to another process starts again on fresh ones, from an empty data dir (the
+        # master's raft state names the old ones).
+        start_redrawing_taken_ports(self._start_once, None if self.ports else self._redraw_ports)
         return self
+
+    def _start_once(self) -> None:
+        self.start_process()
+        try:
+            self.wait_ready()
+        except (TimeoutError, RuntimeError):
+            self.stop(kill=True)
+            raise
+
+    def _redraw_ports(self) -> None:
+        self.s3_port = free_port()
+        self.ports = {}
+        shutil.rmtree(self.workdir / "data", ignore_errors=True)
 
     def start_process(self) -> None:
         if not self.ports:
-            self.ports = {name: free_port() for name in SEAWEED_LISTENERS}
+            drawn = distinct_free_ports(len(SEAWEED_LISTENERS), exclude=[self.s3_port])
+            self.ports = dict(zip(SEAWEED_LISTENERS, drawn, strict=True))
         (self.workdir / "data").mkdir(parents=True, exist_ok=True)
         self.process = launch(
             self.command(),
@@ -355,6 +404,10 @@ class SeaweedS3Server:
     def _wait_s3_answers(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"weed exited with {self.process.returncode}:\n{log_tail(self.log_path)}"
+                )
             try:
                 urllib.request.urlopen(self.endpoint_url + "/", timeout=2).read()
                 return
@@ -398,18 +451,16 @@ class ServiceProcess:
         return [sys.executable, "-m", self.module, "serve", "--port", str(self.port), *self.args]
 
     def start(self, timeout_s: float = 90.0) -> ServiceProcess:
-        for _ in range(PORT_ATTEMPTS - 1):
-            self.start_process()
-            try:
-                self.wait_ready(timeout_s)
-                return self
-            except TimeoutError as error:
-                if not (self._port_drawn and PORT_TAKEN in str(error)):
-                    raise
-            self.port = free_port()
+        redraw = self._redraw_port if self._port_drawn else None
+        start_redrawing_taken_ports(lambda: self._start_once(timeout_s), redraw)
+        return self
+
+    def _start_once(self, timeout_s: float) -> None:
         self.start_process()
         self.wait_ready(timeout_s)
-        return self
+
+    def _redraw_port(self) -> None:
+        self.port = free_port()
 
     def start_process(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", **self.env}

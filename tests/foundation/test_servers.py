@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+
 import boto3
 import redis
 
 from tests.fixtures.servers import RedisServer, SeaweedS3Server
+from tools import stack
+from tools.stack import SEAWEED_LISTENERS
 
 
 def test_redis_answers_and_restarts(redis_server: RedisServer) -> None:
@@ -31,3 +35,33 @@ def test_tiny_models_saved_as_hf_folders(tiny_model_dirs) -> None:
     for folder in tiny_model_dirs.values():
         assert (folder / "config.json").exists()
         assert (folder / "model.safetensors").exists()
+
+
+def test_s3_server_whose_drawn_port_is_taken_starts_on_fresh_ports(tmp_path, monkeypatch) -> None:
+    """Another process binds one of weed's drawn gRPC ports before weed does (what failed a CI
+    run): the gateway dies at start, and the server starts again on fresh ports."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        draws: list[list[int]] = []
+
+        def first_draw_loses_s3_grpc(count: int, exclude=()) -> list[int]:
+            ports = draw_ports(count, exclude)
+            if not draws:
+                ports[SEAWEED_LISTENERS.index("s3.grpc")] = taken
+            draws.append(ports)
+            return ports
+
+        draw_ports = stack.distinct_free_ports
+        monkeypatch.setattr(stack, "distinct_free_ports", first_draw_loses_s3_grpc)
+        server = SeaweedS3Server(tmp_path / "s3").start()
+        try:
+            assert len(draws) == 2
+            assert server.ports["s3.grpc"] != taken
+            assert len({server.s3_port, *server.ports.values()}) == 1 + len(SEAWEED_LISTENERS)
+            s3 = boto3.client("s3", endpoint_url=server.endpoint_url)
+            s3.create_bucket(Bucket="fresh-ports")
+            assert s3.list_buckets()["Buckets"][0]["Name"] == "fresh-ports"
+        finally:
+            server.stop(kill=True)
