@@ -32,7 +32,7 @@ lint: setup
 	$(PY) -m ruff format --check .
 
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # Only the folders with GPU tests: the GPU image lacks redis/boto3, which the service tests import.
 GPU_TEST_DIRS := $(wildcard tests/kernels tests/model tests/inference tests/lora tests/e2e_gpu)

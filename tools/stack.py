@@ -44,9 +44,9 @@ def free_port(exclude: Collection[int] = ()) -> int:
     the server's own bind.
     """
     rng = random.SystemRandom()
-    high = max(min(_ephemeral_start(), 65536) - 10000, PORT_FLOOR + 1000)
+    low, high = _draw_range()
     for _ in range(200):
-        port = rng.randrange(PORT_FLOOR, high)
+        port = rng.randrange(low, high)
         if port not in exclude and _port_free(port) and _port_free(port + 10000):
             return port
     raise RuntimeError("no free port found")
@@ -81,6 +81,20 @@ def start_redrawing_taken_ports(
                 raise
         redraw()
     start_once()
+
+
+def _draw_range() -> tuple[int, int]:
+    """The ports this process draws from: below the ephemeral range less 10000 (each port's
+    +10000 must be free too), and under pytest-xdist a slice of its own per worker, so two
+    workers' servers never draw the same port (the likeliest taker between draw and bind)."""
+    low, high = PORT_FLOOR, max(min(_ephemeral_start(), 65536) - 10000, PORT_FLOOR + 1000)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and workers > 1:
+        width = (high - low) // workers
+        low += int(worker[2:]) * width
+        high = low + width
+    return low, high
 
 
 def _ephemeral_start() -> int:

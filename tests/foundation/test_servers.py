@@ -65,3 +65,17 @@ def test_s3_server_whose_drawn_port_is_taken_starts_on_fresh_ports(tmp_path, mon
             assert s3.list_buckets()["Buckets"][0]["Name"] == "fresh-ports"
         finally:
             server.stop(kill=True)
+
+
+def test_xdist_workers_draw_ports_from_disjoint_slices(monkeypatch) -> None:
+    """Two pytest-xdist workers starting servers at once never draw the same port."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    drawn = {}
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        low, high = stack._draw_range()
+        ports = stack.distinct_free_ports(20)
+        assert all(low <= port < high for port in ports)
+        drawn[worker] = range(low, high)
+    assert drawn["gw0"].stop <= drawn["gw1"].start
+    assert drawn["gw0"].start >= stack.PORT_FLOOR
