@@ -6,12 +6,12 @@ adapter whose bytes do not match its sha256, which raises `DataLoss`.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from adapter_store.errors import DataLoss
+from adapter_store.pieces import HashedPieces
 from adapter_store.rpc.tls import aio_channel
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc
@@ -136,22 +136,22 @@ class StoreClient:
         )
         adapter: pb.Adapter | None = None
         manifest_json = b""
-        weights = bytearray()
+        weights = HashedPieces()
         async for message in stream:
             if adapter is None:
                 adapter, manifest_json = message.adapter, message.manifest_json
-            elif message.offset != len(weights):
-                raise DataLoss(f"{ref}: chunk at offset {message.offset}, expected {len(weights)}")
-            weights += message.data
+            elif message.offset != weights.size:
+                raise DataLoss(f"{ref}: chunk at offset {message.offset}, expected {weights.size}")
+            weights.append(message.data)
         if adapter is None:
             raise DataLoss(f"{ref}: the store sent an empty stream")
-        digest = hashlib.sha256(weights).hexdigest()
-        if digest != adapter.sha256 or len(weights) != adapter.size_bytes:
+        digest = weights.hexdigest()
+        if digest != adapter.sha256 or weights.size != adapter.size_bytes:
             raise DataLoss(
-                f"{ref}: weights have sha256 {digest} ({len(weights)} bytes), the record says "
+                f"{ref}: weights have sha256 {digest} ({weights.size} bytes), the record says "
                 f"{adapter.sha256} ({adapter.size_bytes} bytes)"
             )
-        return FetchedAdapter(adapter, manifest_json, bytes(weights))
+        return FetchedAdapter(adapter, manifest_json, weights.join())
 
     async def upload_dir(
         self,

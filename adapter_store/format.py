@@ -32,6 +32,8 @@ from adapter_store.model_shapes import (
     model_lora_shapes,
     shape_at,
 )
+from adapter_store.pieces import HashedPieces
+from adapter_store.safetensors_pieces import SafetensorsError, read_safetensors
 
 __all__ = [
     "CANONICAL_MODULES",
@@ -42,6 +44,7 @@ __all__ = [
     "Manifest",
     "ModuleShape",
     "deserialize",
+    "deserialize_pieces",
     "iter_layer_modules",
     "model_lora_shapes",
     "module_key",
@@ -236,6 +239,18 @@ def deserialize(weights: bytes, manifest_json: bytes, *, verify: bool = True) ->
     try:
         tensors = load_safetensors(weights)
     except Exception as exc:  # safetensors raises its own error types for malformed input
+        raise InvalidArgument(f"weights.safetensors is malformed: {exc}") from None
+    validate_tensors(manifest, tensors)
+    return CanonicalAdapter(manifest=manifest, tensors=tensors)
+
+
+def deserialize_pieces(weights: HashedPieces, manifest_json: bytes) -> CanonicalAdapter:
+    """`deserialize` of weights that arrived in pieces, read without joining them
+    (adapter_store.safetensors_pieces); the caller has checked their digest."""
+    manifest = Manifest.from_json(manifest_json)
+    try:
+        tensors = read_safetensors(weights)
+    except SafetensorsError as exc:
         raise InvalidArgument(f"weights.safetensors is malformed: {exc}") from None
     validate_tensors(manifest, tensors)
     return CanonicalAdapter(manifest=manifest, tensors=tensors)

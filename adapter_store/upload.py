@@ -58,7 +58,8 @@ async def collect_files(pieces: AsyncIterator[FilePiece], limits: UploadLimits) 
     Chunks of one file are contiguous (a new name closes the previous file). Raises
     ResourceExhausted the moment a limit is passed, before reading the rest of the stream.
     """
-    files: dict[str, bytearray] = {}
+    # Each file's chunks as they came, joined once at the end (adapter_store.pieces says why).
+    files: dict[str, list[bytes]] = {}
     current: str | None = None
     total = 0
     async for piece in pieces:
@@ -70,14 +71,14 @@ async def collect_files(pieces: AsyncIterator[FilePiece], limits: UploadLimits) 
                 )
             if len(files) >= limits.max_files:
                 raise ResourceExhausted(f"upload has more than {limits.max_files} files")
-            files[piece.filename] = bytearray()
+            files[piece.filename] = []
             current = piece.filename
         total += len(piece.data)
         if total > limits.max_total_bytes:
             raise ResourceExhausted(
                 f"upload is larger than the limit of {limits.max_total_bytes} bytes"
             )
-        files[current] += piece.data
+        files[current].append(piece.data)
     if not files:
         raise InvalidArgument("upload has no files (expected a PEFT adapter folder)")
-    return {name: bytes(data) for name, data in files.items()}
+    return {name: b"".join(chunks) for name, chunks in files.items()}
