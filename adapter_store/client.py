@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from adapter_store.byte_pieces import HashedPieces
 from adapter_store.errors import DataLoss
-from adapter_store.pieces import HashedPieces
 from adapter_store.rpc.tls import aio_channel
 from protos import adapter_store_pb2 as pb
 from protos import adapter_store_pb2_grpc

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from adapter_store.byte_pieces import HashedPieces
 from adapter_store.errors import InvalidArgument
 from adapter_store.model_shapes import (
     CANONICAL_MODULES,
@@ -32,7 +33,6 @@ from adapter_store.model_shapes import (
     model_lora_shapes,
     shape_at,
 )
-from adapter_store.pieces import HashedPieces
 from adapter_store.safetensors_pieces import SafetensorsError, read_safetensors
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Read a safetensors file that arrived in pieces (adapter_store.pieces) into tensors,
+"""Read a safetensors file that arrived in pieces (adapter_store.byte_pieces) into tensors,
 without joining the pieces first.
 
 Why not `safetensors.torch.load`: it takes one bytes object, and joining a 553 MB
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from adapter_store.pieces import HashedPieces
+from adapter_store.byte_pieces import HashedPieces
 
 # The safetensors dtype names of the float types canonical adapters are stored in.
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

@@ -58,7 +58,7 @@ async def collect_files(pieces: AsyncIterator[FilePiece], limits: UploadLimits) 
     Chunks of one file are contiguous (a new name closes the previous file). Raises
     ResourceExhausted the moment a limit is passed, before reading the rest of the stream.
     """
-    # Each file's chunks as they came, joined once at the end (adapter_store.pieces says why).
+    # Each file's chunks as they came, joined once at the end (adapter_store.byte_pieces says why).
     files: dict[str, list[bytes]] = {}
     current: str | None = None
     total = 0

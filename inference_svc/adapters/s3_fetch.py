@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from adapter_store.byte_pieces import HashedPieces
 from adapter_store.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from adapter_store.format import CanonicalAdapter, Manifest, deserialize_pieces
-from adapter_store.pieces import HashedPieces
 
 MIB = 1 << 20
 
@@ -149,8 +149,8 @@ class S3AdapterFetcher:
         )
 
     def _download_verified(self, key: str, manifest: Manifest, label: str) -> HashedPieces:
-        """All parts, hashed in order while later ones download and kept apart (adapter_store.
-        pieces says why); raises _DigestMismatch unless they hash right."""
+        """All parts, hashed in order while later ones download and kept apart
+        (adapter_store.byte_pieces says why); raises _DigestMismatch unless they hash right."""
         size, part = manifest.size_bytes, self.config.part_size
         ranges = [(start, min(start + part, size)) for start in range(0, size, part)]
 

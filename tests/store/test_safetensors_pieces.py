@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from adapter_store.pieces import HashedPieces
+from adapter_store.byte_pieces import HashedPieces
 from adapter_store.safetensors_pieces import SafetensorsError, read_safetensors
 
 

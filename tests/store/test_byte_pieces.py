@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from adapter_store.pieces import HashedPieces
+from adapter_store.byte_pieces import HashedPieces
 
 
 def test_join_digest_and_size_are_those_of_the_whole() -> None:
