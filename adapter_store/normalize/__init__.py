@@ -21,9 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from adapter_store.errors import InvalidArgument, ResourceExhausted
+from adapter_store.finite import all_finite
 from adapter_store.format import (
     DTYPES,
     FORMAT_VERSION,
@@ -94,7 +93,7 @@ def normalize_peft(
     for name, tensor in tensors.items():
         # Finite inputs can still overflow: a huge lora_alpha folded into lora_B, or values
         # past the range of the stored dtype (float16 ends at 65504).
-        if not torch.isfinite(tensor).all():
+        if not all_finite(tensor):
             raise InvalidArgument(
                 f"{name}: not finite after folding the scaling into lora_B and converting to "
                 f"{dtype} (lora_alpha or the weights are too large)"

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from adapter_store.errors import InvalidArgument
+from adapter_store.finite import all_finite
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -95,6 +96,6 @@ def _load_tensors(data: bytes) -> dict[str, torch.Tensor]:
                 f"{key}: dtype {str(tensor.dtype).removeprefix('torch.')} is not supported "
                 "(float32, float16 or bfloat16)"
             )
-        if not torch.isfinite(tensor).all():
+        if not all_finite(tensor):
             raise InvalidArgument(f"{key}: contains NaN or Inf")
     return tensors
