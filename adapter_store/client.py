@@ -33,6 +33,16 @@ class FetchedAdapter:
     weights: bytes
 
 
+@dataclass(frozen=True)
+class FetchedPieces:
+    """`FetchedAdapter` with the weights kept in the pieces they arrived in (to be read by
+    `adapter_store.format.deserialize_pieces` without joining them)."""
+
+    adapter: pb.Adapter
+    manifest_json: bytes
+    weights: HashedPieces
+
+
 class StoreClient:
     """`async with StoreClient("host:port", api_key=...) as store: ...`
 
@@ -130,6 +140,13 @@ class StoreClient:
         self, ref: str, chunk_size: int = 0, caller_key: str | None = None
     ) -> FetchedAdapter:
         """Download the canonical adapter and verify its sha256 and size."""
+        fetched = await self.fetch_adapter_pieces(ref, chunk_size, caller_key)
+        return FetchedAdapter(fetched.adapter, fetched.manifest_json, fetched.weights.join())
+
+    async def fetch_adapter_pieces(
+        self, ref: str, chunk_size: int = 0, caller_key: str | None = None
+    ) -> FetchedPieces:
+        """`fetch_adapter`, the weights left in the stream's chunks."""
         stream = self._stub.FetchAdapter(
             pb.FetchAdapterRequest(ref=ref, chunk_size=chunk_size),
             **self._call_options(caller_key),
@@ -151,7 +168,7 @@ class StoreClient:
                 f"{ref}: weights have sha256 {digest} ({weights.size} bytes), the record says "
                 f"{adapter.sha256} ({adapter.size_bytes} bytes)"
             )
-        return FetchedAdapter(adapter, manifest_json, weights.join())
+        return FetchedPieces(adapter, manifest_json, weights)
 
     async def upload_dir(
         self,

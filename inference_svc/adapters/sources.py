@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import grpc
 
 from adapter_store.errors import FailedPrecondition, InvalidArgument
-from adapter_store.format import CanonicalAdapter, deserialize
+from adapter_store.format import CanonicalAdapter, deserialize_pieces
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher
 from inference_svc.adapters.store_errors import from_store_error
 from inference_svc.engine.sequence import AdapterBinding
@@ -53,7 +53,7 @@ class StoreFetchSource:
     def fetch(self, adapter: AdapterBinding) -> CanonicalAdapter:
         ref = f"{adapter.name}@{adapter.version}"
         call = asyncio.run_coroutine_threadsafe(
-            self._client.fetch_adapter(ref, caller_key=adapter.caller_key), self._loop
+            self._client.fetch_adapter_pieces(ref, caller_key=adapter.caller_key), self._loop
         )
         try:
             fetched = call.result()
@@ -67,14 +67,14 @@ class StoreFetchSource:
         try:
             # The client hashed the bytes against the record: the manifest must name the same
             # digest and size (hashing 553 MB again would take ~0.3 s).
-            canonical = deserialize(fetched.weights, fetched.manifest_json, verify=False)
+            canonical = deserialize_pieces(fetched.weights, fetched.manifest_json)
         except InvalidArgument as exc:
             raise FailedPrecondition(f"adapter {ref}: fetched weights unusable: {exc}") from None
         manifest = canonical.manifest
-        if (manifest.sha256, manifest.size_bytes) != (adapter.sha256, len(fetched.weights)):
+        if (manifest.sha256, manifest.size_bytes) != (adapter.sha256, fetched.weights.size):
             raise FailedPrecondition(
                 f"adapter {ref}: its manifest names weights of sha256 {manifest.sha256} "
                 f"({manifest.size_bytes} bytes), the store sent {adapter.sha256} "
-                f"({len(fetched.weights)} bytes)"
+                f"({fetched.weights.size} bytes)"
             )
         return canonical
