@@ -3,6 +3,7 @@ deadlines freeing resources, error statuses, versions, corrupt downloads, a fail
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -194,6 +195,27 @@ def test_weights_through_fetch_adapter_when_no_s3(start_inference, stub) -> None
     with grpc.insecure_channel(replica.address) as channel:
         via_store = generate(replica.stub(channel), request("docs-prose", PROMPTS[3], 6))
     assert_same_generation(via_store, generate(stub, request("docs-prose", PROMPTS[3], 6)))
+
+
+def test_manifest_naming_other_weights_is_refused_through_fetch_adapter(
+    start_inference, store, s3_server, module_bucket
+) -> None:
+    """Without S3 the replica reads the store's stream: the client checks the bytes against
+    the record, and the manifest that comes with them must name the same digest."""
+    upload(store, [(EMBEDDED_ADAPTERS_DIR / "shouty", "odd-manifest")])
+    key = adapter_prefix("default", "odd-manifest", 1) + "manifest.json"
+    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint_url)
+    manifest = json.loads(s3.get_object(Bucket=module_bucket, Key=key)["Body"].read())
+    s3.put_object(Bucket=module_bucket, Key=key, Body=json.dumps({**manifest, "sha256": "0" * 64}))
+    replica = start_inference(s3=None)
+    with grpc.insecure_channel(replica.address) as channel:
+        stub = replica.stub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            generate(stub, request("odd-manifest", PROMPTS[0], 4))
+        listed = stub.ListLoadedAdapters(pb.ListLoadedAdaptersRequest(), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"its manifest names weights of sha256 {'0' * 64}" in raised.value.details()
+    assert "odd-manifest" not in {a.name for a in listed.adapters}
 
 
 def test_corrupt_weights_never_reach_a_slot(stub, replica, store, s3_server, module_bucket):
