@@ -244,10 +244,10 @@ def deserialize(weights: bytes, manifest_json: bytes, *, verify: bool = True) ->
     return CanonicalAdapter(manifest=manifest, tensors=tensors)
 
 
-def deserialize_pieces(weights: HashedPieces, manifest_json: bytes) -> CanonicalAdapter:
+def deserialize_pieces(weights: HashedPieces, manifest: Manifest) -> CanonicalAdapter:
     """`deserialize` of weights that arrived in pieces, read without joining them
-    (adapter_store.safetensors_pieces); the caller has checked their digest."""
-    manifest = Manifest.from_json(manifest_json)
+    (adapter_store.safetensors_pieces); the caller has checked their digest against
+    `manifest` (already parsed: callers check it before reading the weights)."""
     try:
         tensors = read_safetensors(weights)
     except SafetensorsError as exc:

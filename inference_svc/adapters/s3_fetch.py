@@ -141,7 +141,7 @@ class S3AdapterFetcher:
                         "re-upload the adapter"
                     ) from None
         try:
-            adapter = deserialize_pieces(weights, manifest_json)  # verified above
+            adapter = deserialize_pieces(weights, manifest)  # verified above
         except InvalidArgument as exc:
             raise FailedPrecondition(f"{label}: stored weights do not parse: {exc}") from None
         return FetchedAdapter(

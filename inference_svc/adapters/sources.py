@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import grpc
 
 from adapter_store.errors import FailedPrecondition, InvalidArgument
-from adapter_store.format import CanonicalAdapter, deserialize_pieces
+from adapter_store.format import CanonicalAdapter, Manifest, deserialize_pieces
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher
 from inference_svc.adapters.store_errors import from_store_error
 from inference_svc.engine.sequence import AdapterBinding
@@ -65,16 +65,19 @@ class StoreFetchSource:
                 f"its record said {adapter.sha256}"
             )
         try:
-            # The client hashed the bytes against the record: the manifest must name the same
-            # digest and size (hashing 553 MB again would take ~0.3 s).
-            canonical = deserialize_pieces(fetched.weights, fetched.manifest_json)
+            manifest = Manifest.from_json(fetched.manifest_json)
         except InvalidArgument as exc:
-            raise FailedPrecondition(f"adapter {ref}: fetched weights unusable: {exc}") from None
-        manifest = canonical.manifest
+            raise FailedPrecondition(f"adapter {ref}: fetched manifest unusable: {exc}") from None
+        # The client hashed the bytes against the record: the manifest must name the same
+        # digest and size (hashing 553 MB again would take ~0.3 s).
         if (manifest.sha256, manifest.size_bytes) != (adapter.sha256, fetched.weights.size):
             raise FailedPrecondition(
                 f"adapter {ref}: its manifest names weights of sha256 {manifest.sha256} "
                 f"({manifest.size_bytes} bytes), the store sent {adapter.sha256} "
                 f"({fetched.weights.size} bytes)"
             )
+        try:
+            canonical = deserialize_pieces(fetched.weights, manifest)
+        except InvalidArgument as exc:
+            raise FailedPrecondition(f"adapter {ref}: fetched weights unusable: {exc}") from None
         return canonical
