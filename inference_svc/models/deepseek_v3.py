@@ -100,9 +100,10 @@ class DecoderLayer(nn.Module):
             routed = self.moe(x, lora, combine=False, x_float=x_float)
             return h, (routed, self.mlp(x, lora))
         routing = None
-        gemv_router = x_float is not None and self.moe.gate.runs_gemv(x_float)
         if x.shape[0] >= ROUTE_BEFORE_FORK_MIN_TOKENS or (
-            ROUTE_FIRST_WITH_ROUTER_GEMV and gemv_router
+            ROUTE_FIRST_WITH_ROUTER_GEMV
+            and x_float is not None
+            and self.moe.gate.runs_gemv(x_float)
         ):
             routing = self.moe.route(x, x_float)
         # Memory stays ordered without record_stream: x is freed on this stream after the
