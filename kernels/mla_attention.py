@@ -159,16 +159,17 @@ def _mla_decode_merge_kernel(
     acc = tl.zeros((BLOCK_C,), tl.float32)
     for s0 in range(0, num_splits, SPLIT_CHUNK):
         offs_s = s0 + offs_chunk
-        mask_s = offs_s < num_splits
-        lse = tl.load(lse_row + offs_s, mask=mask_s, other=float("-inf"))
+        lse = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
         weight = tl.exp(lse - lse_max)  # [s], 0 for empty splits (lse = -inf)
+        # An empty split's partials are not read (kernels.mla_decode_v3 leaves them unwritten).
+        live = lse > float("-inf")
         part = tl.load(
             o_part_ptr
             + b * stride_ob
             + h * stride_oh
             + offs_s[:, None] * stride_os
             + offs_c[None, :],
-            mask=mask_s[:, None] & mask_c[None, :],
+            mask=live[:, None] & mask_c[None, :],
             other=0.0,
         )  # [s, c]
         acc += tl.sum(weight[:, None] * part, axis=0)

@@ -105,11 +105,13 @@ def _mla_decode_v3_kernel(
         out = out_ptr + b * stride_outb + heads[:, None] * stride_outh + offs_v[None, :]
         tl.store(out, (acc / safe_denom[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
+        # An empty split (a short sequence's trailing ones) writes only its lse of -inf,
+        # and the merge reads none of its partials.
         o_base = o_part_ptr + b * stride_ob + split * stride_os
         tl.store(
             o_base + heads[:, None] * stride_oh + offs_v[None, :],
             acc / safe_denom[:, None],
-            mask=store_mask,
+            mask=store_mask & has_tokens,
         )
         lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
         # Every column block computed the same lse; the first one writes it.

@@ -79,7 +79,8 @@ def test_merge_of_many_splits_over_several_column_blocks(splits):
 @pytest.mark.parametrize("splits", [1, 4])
 def test_rows_without_context_give_zero(variant, splits):
     """A sequence with context 0 attends to nothing: o_lat = 0 as in the reference, not the
-    NaN of a 0/0 merge, and its neighbours are unaffected."""
+    NaN of a 0/0 merge (nor of the empty splits' unwritten partials), and its neighbours
+    are unaffected."""
     inputs = decode_inputs(16, 32, 16, 4, [0, 9, 0], torch.float32, seed=splits)
     ours = mla.mla_decode(*(t.to(DEVICE) for t in inputs), 0.2, num_splits=splits, variant=variant)
     ref = mla.mla_decode_ref(*inputs, 0.2)
