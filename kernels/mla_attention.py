@@ -285,6 +285,15 @@ def mla_decode(
         v3.launch_mla_decode_v3(*args, out, o_part, lse_part, config)
     else:
         _launch_v2(*args, o_part, lse_part, config)
+    merge_splits(o_part, lse_part, out)
+    return out
+
+
+def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor) -> None:
+    """out [B, H, C] = the softmax-weighted merge of the splits' partials o_part
+    [B, H, splits, C] fp32 by their lse_part [B, H, splits]; a split whose lse is −inf is
+    empty and its partials are never read (they may hold anything)."""
+    batch, heads, splits, latent_dim = o_part.shape
     chunk = v3.MAX_SPLITS if splits >= MERGE_WHOLE_TILE_MIN_SPLITS else MERGE_SPLIT_CHUNK
     block_c = next_power_of_2(latent_dim)
     if batch * heads < MERGE_MIN_PROGRAMS:
@@ -295,7 +304,6 @@ def mla_decode(
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         C=latent_dim, BLOCK_C=block_c, SPLIT_CHUNK=chunk, num_splits=splits,
     )  # fmt: skip
-    return out
 
 
 def _launch_v2(

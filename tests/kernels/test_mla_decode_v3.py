@@ -88,6 +88,29 @@ def test_rows_without_context_give_zero(variant, splits):
     torch.testing.assert_close(ours.cpu(), ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [5, 40])
+def test_merge_never_reads_the_partials_of_empty_splits(splits):
+    """Empty splits (lse −inf) leave their partials unwritten: NaN there must not reach
+    o_lat. Both merge paths (chunks of MERGE_SPLIT_CHUNK, one whole tile)."""
+    g = torch.Generator().manual_seed(splits)
+    o_part = torch.randn(2, 3, splits, 24, generator=g)
+    lse = torch.randn(2, 3, splits, generator=g)
+    empty = torch.rand(2, 3, splits, generator=g) < 0.5
+    empty[0, 0] = True  # a row with no tokens at all: o_lat 0
+    lse[empty] = float("-inf")
+    o_part[empty] = float("nan")
+    out = torch.full((2, 3, 24), 7.0)
+    ours = out.to(DEVICE)
+    mla.merge_splits(o_part.to(DEVICE), lse.to(DEVICE), ours)
+    weights = torch.where(empty, 0.0, (lse - lse.amax(-1, keepdim=True)).exp())  # [B, H, s]
+    live = torch.where(empty[..., None], 0.0, o_part)
+    total = weights.sum(-1, keepdim=True)
+    expected = (weights[..., None] * live).sum(-2) / torch.where(total > 0, total, 1.0)
+    assert not ours.isnan().any()
+    assert torch.equal(ours[0, 0].cpu(), torch.zeros(24))
+    torch.testing.assert_close(ours.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_unknown_variant_is_refused():
     inputs = decode_inputs(4, 32, 16, 4, [3], torch.float32, seed=0)
     with pytest.raises(ValueError, match="v7"):
