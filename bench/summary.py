@@ -5,6 +5,7 @@ prints one table: target, goal, measured, met. A benchmark that did not run show
 "not run"; nothing is filled in from elsewhere.
 
     python3 -m bench.summary bench/results/latest [--cold docs/bench/serve_cold_path.json]
+        [--floor bench/results/serve_floor_cpu.json]
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ OFFLINE_RUNS = {
 COLD_RUNS = {"serve_online": "under load", "serve_cold_idle": "idle engine"}
 
 
-def serving_lines(results: Path) -> Iterator[Line]:
+def serving_lines(results: Path, floor_file: Path) -> Iterator[Line]:
     for stem, label in OFFLINE_RUNS.items():
         data = _load(results / f"{stem}.json")
         name = f"offline tok/s N=32 uniform ÷ no LoRA, {label}"
@@ -158,6 +159,7 @@ def serving_lines(results: Path) -> Iterator[Line]:
         layers = "" if data["meta"]["full_model"] else f" [{data['meta']['layers']} layers]"
         yield _at_least(name + layers, 0.90, data["ratios"]["n32_uniform_vs_no_lora"])
         yield _at_least(name_1000 + layers, 0.95, data["ratios"]["n1000_zipf_vs_n8_zipf"])
+    yield from serving_ceiling_lines(floor_file)
     for stem, label in COLD_RUNS.items():
         data = _load(results / f"{stem}.json")
         for kind in ("host-cold", "file-cold"):
@@ -166,6 +168,24 @@ def serving_lines(results: Path) -> Iterator[Line]:
                 yield _missing(name, "≤ 100")
                 continue
             yield _at_most(name, 100.0, data["cold"]["ttft_added"][kind]["p50_ms"])
+
+
+def serving_ceiling_lines(floor_file: Path) -> Iterator[Line]:
+    """The serving ratios' ceilings from the LoRA bytes (bench/serve_floor.py, CPU counts),
+    per adapter target set: what no kernel work can exceed."""
+    floor = _load(floor_file)
+    if floor is None:
+        yield _missing("  ceilings of the serving ratios from the LoRA bytes", "-")
+        return
+    names = {
+        "n32_uniform_vs_no_lora": "N=32 uniform ÷ no LoRA",
+        "n1000_zipf_vs_n8_zipf": "N=1000 zipf ÷ N=8 zipf",
+    }
+    rank = floor["meta"]["rank"]
+    for modules, ceilings in floor["meta"]["ceilings"].items():
+        for key, name in names.items():
+            label = f"  ceiling from the LoRA bytes, {name}, rank {rank}, adapters on {modules}"
+            yield Line(label, "-", f"{ceilings[key]:.3f}", None)
 
 
 def cold_path_lines(cold_file: Path, results: Path) -> Iterator[Line]:
@@ -189,12 +209,12 @@ def cold_path_lines(cold_file: Path, results: Path) -> Iterator[Line]:
         yield _at_most("TTFT added by a cold adapter from S3, p50 estimate (ms)", 100.0, added)
 
 
-def lines(results: Path, cold_file: Path) -> list[Line]:
+def lines(results: Path, cold_file: Path, floor_file: Path) -> list[Line]:
     return [
         *sgmv_lines(results),
         *decode_lines(results),
         *slot_load_lines(results),
-        *serving_lines(results),
+        *serving_lines(results, floor_file),
         *cold_path_lines(cold_file, results),
     ]
 
@@ -210,8 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, nargs="?", default=Path("bench/results/latest"))
     parser.add_argument("--cold", type=Path, default=Path("docs/bench/serve_cold_path.json"))
+    parser.add_argument("--floor", type=Path, default=Path("bench/results/serve_floor_cpu.json"))
     args = parser.parse_args(argv)
-    print(render(lines(args.results, args.cold)))
+    print(render(lines(args.results, args.cold, args.floor)))
 
 
 if __name__ == "__main__":

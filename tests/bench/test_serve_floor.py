@@ -7,6 +7,7 @@ import json
 import pytest
 
 from adapter_store.model_shapes import ModuleShape
+from bench import summary
 from bench.serve_floor import decode_floor, main, run_ceiling, targeted_shapes
 
 SHAPES = {
@@ -55,3 +56,19 @@ def test_the_v2_lite_counts_and_ceilings(tmp_path):
     for ceilings in data["meta"]["ceilings"].values():
         assert all(0.5 < value < 1 for value in ceilings.values())
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_summary_shows_the_ceilings_beside_the_serving_goals(tmp_path):
+    out = tmp_path / "floor.json"
+    main(["--out", str(out), "--draws", "2"])
+    ceilings = json.loads(out.read_text())["meta"]["ceilings"]
+    lines = {line.target.strip(): line for line in summary.serving_ceiling_lines(out)}
+    line = lines["ceiling from the LoRA bytes, N=32 uniform ÷ no LoRA, rank 16, adapters on all"]
+    assert line.measured == f"{ceilings['all']['n32_uniform_vs_no_lora']:.3f}"
+    assert line.met is None  # a bound, not a measurement
+    assert (
+        "ceiling from the LoRA bytes, N=1000 zipf ÷ N=8 zipf, rank 16, adapters on no-routed"
+        in lines
+    )
+    missing = list(summary.serving_ceiling_lines(tmp_path / "absent.json"))
+    assert [m.measured for m in missing] == ["not run"]

@@ -197,6 +197,6 @@ def test_serve_cold_path_smoke(tmp_path: Path) -> None:
     assert set(results["stats"]) == {"s3 x8", "s3 x16", "store FetchAdapter"}
     for stats in results["stats"].values():
         assert stats["n"] == 2 and stats["p50_ms"] > 0
-    table = summary.render(summary.lines(tmp_path, out))
+    table = summary.render(summary.lines(tmp_path, out, tmp_path / "no_floor.json"))
     assert "store FetchAdapter → host" in table
     assert "not run" in table  # no GPU results in this folder: shown as such, never made up
