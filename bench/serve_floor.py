@@ -114,21 +114,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"decode floor overhead {floor:+.1%}"
             )
 
-    def floor_of(modules: str, adapters: int, popularity: str) -> float:
-        (row,) = (
-            r
-            for r in rows
-            if (r.modules, r.adapters, r.popularity) == (modules, adapters, popularity)
-        )
-        return row.floor_overhead
-
+    floors = {(r.modules, r.adapters, r.popularity): r.floor_overhead for r in rows}
     share = args.decode_share
     ceilings = {}
     for modules in ADAPTER_MODULES:
         ceilings[modules] = {
-            "n32_uniform_vs_no_lora": run_ceiling(share, floor_of(modules, 32, "uniform"), 0.0),
+            "n32_uniform_vs_no_lora": run_ceiling(share, floors[modules, 32, "uniform"], 0.0),
             "n1000_zipf_vs_n8_zipf": run_ceiling(
-                share, floor_of(modules, 1000, "zipf"), floor_of(modules, 8, "zipf")
+                share, floors[modules, 1000, "zipf"], floors[modules, 8, "zipf"]
             ),
         }
         print(f"{modules:>9}  run ceilings (decode share {share}): {ceilings[modules]}")
