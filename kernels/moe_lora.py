@@ -268,8 +268,13 @@ def _moe_lora_pair_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """out[p, slice cols of chunk] += B[slot, eB, cols, :rank] · (A[slot, eA, slice rows] · x)
-    for one (pair, slice, column chunk); y [rank] stays in float32 registers."""
-    grid_dependency_control()
+    for one (pair, slice, column chunk); y [rank] stays in float32 registers.
+
+    The shrink and the first tile of B are read before the wait for the previous kernel (the
+    grouped GEMM whose output this adds to): they read only the pool's weights, the routing
+    and x, which kernels before that GEMM wrote, and the GEMM's own wait made those complete
+    before this kernel could launch (kernels.pdl). So they overlap the GEMM's last wave
+    instead of following it."""
     item = tl.program_id(0)
     chunk = item % chunks
     slice_idx = (item // chunks) % NUM_SLICES
@@ -279,49 +284,69 @@ def _moe_lora_pair_kernel(
     slot = tl.where(tok >= 0, slot, -1)
     rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
     rank = tl.where(slot >= 0, rank, 0)
+    expert = tl.load(pair_expert_ptr + pair)
+    x_row = x_ptr + (pair if X_PER_PAIR else tok).to(tl.int64) * stride_xm
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank  # all false without work: the loads below then read nothing
+    a_rows = (
+        a_ptr
+        + tl.maximum(slot, 0).to(tl.int64) * stride_as
+        + tl.where(A_EXPERTS == 1, 0, expert).to(tl.int64) * stride_ae
+        + (slice_idx * R + offs_r) * stride_ar
+    )  # [r]
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)  # [r, k] partial products
+    for k in range(0, K, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_row + offs_k * stride_xk, mask=mask_k & (rank > 0), other=0.0)  # [k]
+        a = tl.load(
+            a_rows[:, None] + offs_k[None, :] * stride_ak,
+            mask=mask_r[:, None] & mask_k[None, :],
+            other=0.0,
+        )  # [r, k]
+        acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)  # [r]
+    b_key = (
+        b_ptr
+        + tl.maximum(slot, 0).to(tl.int64) * stride_bs
+        + tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64) * stride_be
+    )
+    col_start = chunk * cols_per_program
+    col_end = tl.minimum(col_start + cols_per_program, N)
+    b_next = _b_tile(
+        b_key, slice_idx * N, col_start, col_end, offs_r, mask_r, stride_bn, stride_br, BLOCK_N
+    )  # [n, r] the first tile of B, read before the wait too
+    grid_dependency_control()
     if rank > 0:
-        expert = tl.load(pair_expert_ptr + pair)
-        x_row = x_ptr + (pair if X_PER_PAIR else tok).to(tl.int64) * stride_xm
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        a_rows = (
-            a_ptr
-            + slot.to(tl.int64) * stride_as
-            + tl.where(A_EXPERTS == 1, 0, expert).to(tl.int64) * stride_ae
-            + (slice_idx * R + offs_r) * stride_ar
-        )  # [r]
-        acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)  # [r, k] partial products
-        for k in range(0, K, BLOCK_K):
-            offs_k = k + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            x = tl.load(x_row + offs_k * stride_xk, mask=mask_k, other=0.0)  # [k]
-            a = tl.load(
-                a_rows[:, None] + offs_k[None, :] * stride_ak,
-                mask=mask_r[:, None] & mask_k[None, :],
-                other=0.0,
-            )  # [r, k]
-            acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)  # [r]
-        b_key = (
-            b_ptr
-            + slot.to(tl.int64) * stride_bs
-            + tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64) * stride_be
-        )
         out_row = out_ptr + pair.to(tl.int64) * stride_op
-        col_end = tl.minimum((chunk + 1) * cols_per_program, N)
-        for n in range(chunk * cols_per_program, col_end, BLOCK_N):
-            offs_n = n + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < col_end
-            cols = slice_idx * N + offs_n  # [n] columns of out, rows of B
-            b = tl.load(
-                b_key + cols[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                mask=mask_n[:, None] & mask_r[None, :],
-                other=0.0,
-            )  # [n, r]
+        for n in range(col_start, col_end, BLOCK_N):
+            # The next tile of B is loaded before this one's read-modify-write of out (the
+            # first one before the wait): its latency hides behind the out round trip.
+            b = b_next
+            b_next = _b_tile(
+                b_key, slice_idx * N, n + BLOCK_N, col_end, offs_r, mask_r, stride_bn, stride_br,
+                BLOCK_N,
+            )  # fmt: skip
             delta = tl.sum(b.to(tl.float32) * y[None, :], axis=1)  # [n]
-            out_ptrs = out_row + cols * stride_on
+            offs_n = n + tl.arange(0, BLOCK_N)
+            out_ptrs = out_row + (slice_idx * N + offs_n) * stride_on
+            mask_n = offs_n < col_end
             prev = tl.load(out_ptrs, mask=mask_n, other=0.0)
             tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(prev.dtype), mask=mask_n)
+
+
+@triton.jit
+def _b_tile(
+    b_key, first_col, n, col_end, offs_r, mask_r, stride_bn, stride_br, BLOCK_N: tl.constexpr
+):
+    """[BLOCK_N, r] rows first_col + n.. of one key's B (masked from col_end on: none when
+    n ≥ col_end)."""
+    offs_n = n + tl.arange(0, BLOCK_N)
+    return tl.load(
+        b_key + (first_col + offs_n)[:, None] * stride_bn + offs_r[None, :] * stride_br,
+        mask=(offs_n < col_end)[:, None] & mask_r[None, :],
+        other=0.0,
+    )
 
 
 @dataclass(frozen=True)
