@@ -28,9 +28,17 @@ from kernels.pdl import grid_dependency_control
 from kernels.sgmv import dot_precision, num_sms
 
 # v1: one program per (segment, head); planned: at most this many programs per SM walk the
-# live (segment, head) items (see kernels/sgmv.py SgmvVariant and docs/kernel_notes.md).
-MLA_VARIANTS = {"v1": None, "planned": 16}
+# live (segment, head) items (see kernels/sgmv.py SgmvVariant and docs/kernel_notes.md);
+# prefetch: as planned with whole weight tiles, a program reading its first item's segment
+# and weights before its PDL wait, so they overlap the kernel before it (where the tiles
+# fit: PREFETCH_MAX_TILE; "planned" otherwise). 4 programs per SM: a batch of 64 tokens
+# over 32 adapters (512 items at 16 heads) is one item each, and fewer waiting programs
+# hold an SM's slots while the kernel before runs.
+MLA_VARIANTS = {"v1": None, "planned": 16, "prefetch": 4}
 DEFAULT_MLA_VARIANT = "planned"
+# Largest weight tile (elements) "prefetch" holds in registers: [512, 32] bf16 is 64 values
+# a thread at 8 warps. DeepSeek's kv_b at pool rank ≤ 32 fits (C = 512); rank 64 does not.
+PREFETCH_MAX_TILE = 16384
 
 
 @triton.jit
@@ -64,12 +72,15 @@ def _mla_absorbed_lora_item(
     BLOCK_R: tl.constexpr,
     BLOCK_IN: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """out[t,h,:] += (x[t,h,:] · w1[slot,h]) · w2[slot,h] for one (segment, head): both
-    corrections are this shape, with A and B's k / v part in the w1 / w2 roles."""
+    corrections are this shape, with A and B's k / v part in the w1 / w2 roles. Without
+    ACCUMULATE out is overwritten with the correction (zeros for a segment without work)."""
     slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
-    if rank > 0:
+    slot = tl.maximum(slot, 0)
+    if (rank > 0) | (not ACCUMULATE):
         offs_t = t_start + tl.arange(0, BLOCK_T)
         mask_t = offs_t < t_end
         offs_r = tl.arange(0, BLOCK_R)
@@ -83,7 +94,7 @@ def _mla_absorbed_lora_item(
             mask_i = offs_i < IN
             x = tl.load(
                 x_head + offs_t[:, None] * stride_xt + offs_i[None, :] * stride_xi,
-                mask=mask_t[:, None] & mask_i[None, :],
+                mask=mask_t[:, None] & mask_i[None, :] & (rank > 0),
                 other=0.0,
             )  # [t, i]
             w = tl.load(
@@ -103,9 +114,17 @@ def _mla_absorbed_lora_item(
             )  # [r, o]
             delta = tl.dot(z.to(w.dtype), w, input_precision=DOT_PRECISION)  # [t, o]
             out_ptrs = out_head + offs_t[:, None] * stride_ot + offs_o[None, :] * stride_oo
-            out_mask = mask_t[:, None] & mask_o[None, :]
-            prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
-            tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(prev.dtype), mask=out_mask)
+            _add_or_store(out_ptrs, delta, mask_t[:, None] & mask_o[None, :], ACCUMULATE)
+
+
+@triton.jit
+def _add_or_store(out_ptrs, delta, mask, ACCUMULATE: tl.constexpr):
+    """out (+)= delta [t, o] float32, rounded once to out's dtype."""
+    if ACCUMULATE:
+        prev = tl.load(out_ptrs, mask=mask, other=0.0)
+        tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(prev.dtype), mask=mask)
+    else:
+        tl.store(out_ptrs, delta.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -140,6 +159,7 @@ def _mla_absorbed_lora_kernel(
     BLOCK_IN: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     PLANNED: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """v1: one program per (segment, head) of the grid. planned: a fixed grid walks the
@@ -180,8 +200,144 @@ def _mla_absorbed_lora_kernel(
             BLOCK_R,
             BLOCK_IN,
             BLOCK_OUT,
+            ACCUMULATE,
             DOT_PRECISION,
         )
+
+
+@triton.jit
+def _mla_absorbed_lora_prefetch_kernel(
+    x_ptr,
+    out_ptr,
+    w1_ptr,
+    w2_ptr,
+    seg_indptr_ptr,
+    seg_slot_ptr,
+    slot_rank_ptr,
+    num_segments_ptr,
+    H,
+    IN,
+    OUT,
+    stride_xt,
+    stride_xh,
+    stride_xi,
+    stride_ot,
+    stride_oh,
+    stride_oo,
+    stride_w1s,
+    stride_w1h,
+    stride_w1i,
+    stride_w1r,
+    stride_w2s,
+    stride_w2h,
+    stride_w2r,
+    stride_w2o,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_IN: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_mla_absorbed_lora_item` with whole tiles (BLOCK_IN ≥ IN, BLOCK_OUT ≥ OUT) over a
+    fixed grid walking the live (segment, head) items, as "planned". A program's first item
+    reads its segment and both weight tiles before the PDL wait: the batch's segments are
+    copied in before the step and the pool's weights change only between steps, so these
+    reads overlap the kernel before this one (the latent-cache write or the attention)
+    instead of following it. Further items (more items than programs) read theirs after."""
+    item, items = tl.program_id(0), tl.load(num_segments_ptr) * H
+    w1, w2, rank, t_start, t_end = _absorbed_item_weights(
+        w1_ptr, w2_ptr, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr,
+        tl.where(item < items, item // H, 0), item % H, item < items, IN, OUT,
+        stride_w1s, stride_w1h, stride_w1i, stride_w1r, stride_w2s, stride_w2h, stride_w2r,
+        stride_w2o, BLOCK_R, BLOCK_IN, BLOCK_OUT,
+    )  # fmt: skip
+    grid_dependency_control()
+    for next_item in range(item, items, tl.num_programs(0)):
+        head = next_item % H
+        if next_item != item:
+            w1, w2, rank, t_start, t_end = _absorbed_item_weights(
+                w1_ptr, w2_ptr, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, next_item // H,
+                head, True, IN, OUT, stride_w1s, stride_w1h, stride_w1i, stride_w1r, stride_w2s,
+                stride_w2h, stride_w2r, stride_w2o, BLOCK_R, BLOCK_IN, BLOCK_OUT,
+            )  # fmt: skip
+        if (rank > 0) | (not ACCUMULATE):
+            offs_t = t_start + tl.arange(0, BLOCK_T)
+            mask_t = offs_t < t_end
+            offs_i = tl.arange(0, BLOCK_IN)
+            x = tl.load(
+                x_ptr
+                + head * stride_xh
+                + offs_t[:, None] * stride_xt
+                + offs_i[None, :] * stride_xi,
+                mask=mask_t[:, None] & (offs_i < IN)[None, :] & (rank > 0),
+                other=0.0,
+            )  # [t, i]
+            z = tl.dot(x, w1, input_precision=DOT_PRECISION)  # [t, r]
+            delta = tl.dot(z.to(w2.dtype), w2, input_precision=DOT_PRECISION)  # [t, o]
+            offs_o = tl.arange(0, BLOCK_OUT)
+            out_ptrs = (
+                out_ptr
+                + head * stride_oh
+                + offs_t[:, None] * stride_ot
+                + offs_o[None, :] * stride_oo
+            )
+            out_mask = mask_t[:, None] & (offs_o < OUT)[None, :]
+            _add_or_store(out_ptrs, delta, out_mask, ACCUMULATE)
+
+
+@triton.jit
+def _absorbed_item_weights(
+    w1_ptr,
+    w2_ptr,
+    seg_indptr_ptr,
+    seg_slot_ptr,
+    slot_rank_ptr,
+    seg,
+    head,
+    live,
+    IN,
+    OUT,
+    stride_w1s,
+    stride_w1h,
+    stride_w1i,
+    stride_w1r,
+    stride_w2s,
+    stride_w2h,
+    stride_w2r,
+    stride_w2o,
+    BLOCK_R: tl.constexpr,
+    BLOCK_IN: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+):
+    """(w1 [i, r], w2 [r, o], rank, first token, end token) of item (seg, head): whole
+    tiles, zeros past the slot's rank (all zeros without work, or when not `live`)."""
+    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
+    rank = tl.where(live, rank, 0)
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    offs_i = tl.arange(0, BLOCK_IN)
+    offs_o = tl.arange(0, BLOCK_OUT)
+    w1 = tl.load(
+        w1_ptr
+        + slot * stride_w1s
+        + head * stride_w1h
+        + offs_i[:, None] * stride_w1i
+        + offs_r[None, :] * stride_w1r,
+        mask=(offs_i < IN)[:, None] & mask_r[None, :],
+        other=0.0,
+    )  # [i, r]
+    w2 = tl.load(
+        w2_ptr
+        + slot * stride_w2s
+        + head * stride_w2h
+        + offs_r[:, None] * stride_w2r
+        + offs_o[None, :] * stride_w2o,
+        mask=mask_r[:, None] & (offs_o < OUT)[None, :],
+        other=0.0,
+    )  # [r, o]
+    return w1, w2, rank, t_start, t_end
 
 
 def mla_kv_b_lora_q(
@@ -192,17 +348,19 @@ def mla_kv_b_lora_q(
     segs: LoraSegments,
     *,
     variant: str = DEFAULT_MLA_VARIANT,
+    accumulate: bool = True,
 ) -> Tensor:
     """Add kv_b LoRA's key part to the absorbed query, in place.
 
     Semantics: q_lat[t,h] += (q_nope[t,h] · B[slot, h*(D+V) : h*(D+V)+D, :rank]) · A[slot, :rank]
+    (accumulate False: q_lat[t,h] = that correction, zeros for slot -1 tokens).
 
     Args:
         q_nope: [T, H, D] (may be a strided view of q), same dtype as A and B.
         q_lat: [T, H, C] absorbed query, written in place (any float dtype).
         A: [slots, R, C] kv_b pool A; B: [slots, H*(D+V), R] kv_b pool B.
         segs: segments of this batch; slot -1 tokens are left unchanged.
-        variant: a key of MLA_VARIANTS (both compute the same correction).
+        variant: a key of MLA_VARIANTS (all compute the same correction).
     """
     num_tokens, num_heads, nope = q_nope.shape
     v_dim = _check_kv_b(A, B, q_nope.dtype, num_heads, q_lat.shape, segs, num_tokens) - nope
@@ -221,7 +379,8 @@ def mla_kv_b_lora_q(
         (A, (A.stride(0), 0, A.stride(1), A.stride(2))),
         A.shape[1],
         segs,
-        MLA_VARIANTS[variant],
+        variant,
+        accumulate,
     )
     return q_lat
 
@@ -234,17 +393,19 @@ def mla_kv_b_lora_o(
     segs: LoraSegments,
     *,
     variant: str = DEFAULT_MLA_VARIANT,
+    accumulate: bool = True,
 ) -> Tensor:
     """Add kv_b LoRA's value part to the absorbed attention output, in place.
 
     Semantics: o[t,h] += (o_lat[t,h] · A[slot, :rank]ᵀ) · B[slot, h*(D+V)+D : (h+1)*(D+V), :rank]ᵀ
+    (accumulate False: o[t,h] = that correction, zeros for slot -1 tokens).
 
     Args:
         o_lat: [T, H, C] attention output in latent space, same dtype as A and B.
         o: [T, H, V] per-head output (before o_proj), written in place (any float dtype).
         A: [slots, R, C] kv_b pool A; B: [slots, H*(D+V), R] kv_b pool B.
         segs: segments of this batch; slot -1 tokens are left unchanged.
-        variant: a key of MLA_VARIANTS (both compute the same correction).
+        variant: a key of MLA_VARIANTS (all compute the same correction).
     """
     num_tokens, num_heads, v_dim = o.shape
     nope = _check_kv_b(A, B, o_lat.dtype, num_heads, o_lat.shape, segs, num_tokens) - v_dim
@@ -261,15 +422,24 @@ def mla_kv_b_lora_o(
         (B[:, nope:], (B.stride(0), head_rows * B.stride(1), B.stride(2), B.stride(1))),
         A.shape[1],
         segs,
-        MLA_VARIANTS[variant],
+        variant,
+        accumulate,
     )
     return o
 
 
 def mla_kv_b_lora_q_ref(
-    q_nope: Tensor, q_lat: Tensor, A: Tensor, B: Tensor, segs: LoraSegments
+    q_nope: Tensor,
+    q_lat: Tensor,
+    A: Tensor,
+    B: Tensor,
+    segs: LoraSegments,
+    *,
+    accumulate: bool = True,
 ) -> Tensor:
     """Torch reference of `mla_kv_b_lora_q` (gather + einsum in A's dtype), in place."""
+    if not accumulate:
+        q_lat.zero_()
     num_tokens, num_heads, nope = q_nope.shape
     slot, keep, a = _gather_kv_b_A(A, segs, num_tokens)
     b = B[slot].unflatten(1, (num_heads, -1))[:, :, :nope]  # [T, H, D, R]
@@ -280,9 +450,17 @@ def mla_kv_b_lora_q_ref(
 
 
 def mla_kv_b_lora_o_ref(
-    o_lat: Tensor, o: Tensor, A: Tensor, B: Tensor, segs: LoraSegments
+    o_lat: Tensor,
+    o: Tensor,
+    A: Tensor,
+    B: Tensor,
+    segs: LoraSegments,
+    *,
+    accumulate: bool = True,
 ) -> Tensor:
     """Torch reference of `mla_kv_b_lora_o` (gather + einsum in A's dtype), in place."""
+    if not accumulate:
+        o.zero_()
     num_tokens, num_heads, v_dim = o.shape
     slot, keep, a = _gather_kv_b_A(A, segs, num_tokens)
     b = B[slot].unflatten(1, (num_heads, -1))[:, :, -v_dim:]  # [T, H, V, R]
@@ -308,39 +486,42 @@ def _launch(
     w2: tuple[Tensor, tuple[int, int, int, int]],
     pool_rank: int,
     segs: LoraSegments,
-    programs_per_sm: int | None,
+    variant: str,
+    accumulate: bool,
 ) -> None:
-    """Run the absorbed kernel; w1/w2 come with (slot, head, row, col) strides;
-    programs_per_sm None is v1's one program per (segment, head)."""
+    """Run the absorbed kernel of `variant`; w1/w2 come with (slot, head, row, col) strides."""
     (w1_tensor, w1_strides), (w2_tensor, w2_strides) = w1, w2
-    num_heads = x.shape[1]
+    num_heads, in_dim, out_dim = x.shape[1], x.shape[2], out.shape[2]
+    # One tile spans the whole pool rank: the rank-sized intermediate stays in registers.
+    block_r = max(next_power_of_2(pool_rank), 16)
+    whole_in, whole_out = (next_power_of_2(max(n, 16)) for n in (in_dim, out_dim))
+    if variant == "prefetch" and max(whole_in, whole_out) * block_r > PREFETCH_MAX_TILE:
+        variant = "planned"
     programs = segs.grid_segments() * num_heads
+    args = (
+        x, out, w1_tensor, w2_tensor, segs.seg_indptr, segs.seg_slot, segs.slot_rank,
+    )  # fmt: skip
+    dims = (num_heads, in_dim, out_dim, *x.stride(), *out.stride(), *w1_strides, *w2_strides)
+    common = {
+        "BLOCK_T": segs.max_seg_len,
+        "BLOCK_R": block_r,
+        "ACCUMULATE": accumulate,
+        "DOT_PRECISION": dot_precision(x.dtype),
+    }
+    programs_per_sm = MLA_VARIANTS[variant]
     if programs_per_sm is not None:
         programs = min(programs, programs_per_sm * num_sms(x.device))
+    if variant == "prefetch":
+        fast(_mla_absorbed_lora_prefetch_kernel)[(programs,)](
+            *args, segs.num_segments, *dims, BLOCK_IN=whole_in, BLOCK_OUT=whole_out, **common,
+            num_warps=4 if max(whole_in, whole_out) * block_r <= 8192 else 8,
+        )  # fmt: skip
+        return
     fast(_mla_absorbed_lora_kernel)[(programs,)](
-        x,
-        out,
-        w1_tensor,
-        w2_tensor,
-        segs.seg_indptr,
-        segs.seg_slot,
-        segs.slot_rank,
-        segs.num_segments,
-        num_heads,
-        x.shape[2],
-        out.shape[2],
-        *x.stride(),
-        *out.stride(),
-        *w1_strides,
-        *w2_strides,
-        BLOCK_T=segs.max_seg_len,
-        # One tile spans the whole pool rank: the rank-sized intermediate stays in registers.
-        BLOCK_R=max(next_power_of_2(pool_rank), 16),
-        BLOCK_IN=min(next_power_of_2(max(x.shape[2], 16)), 128),
-        BLOCK_OUT=min(next_power_of_2(max(out.shape[2], 16)), 128),
-        PLANNED=programs_per_sm is not None,
-        DOT_PRECISION=dot_precision(x.dtype),
-    )
+        *args, segs.num_segments, *dims,
+        BLOCK_IN=min(whole_in, 128), BLOCK_OUT=min(whole_out, 128),
+        PLANNED=programs_per_sm is not None, **common,
+    )  # fmt: skip
 
 
 def _check_kv_b(

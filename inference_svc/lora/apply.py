@@ -127,15 +127,23 @@ def finish_linear_lora(
     sgmv_expand(pending.y, weights.b, out, pending.segments, slice_offsets)
 
 
-def add_kv_b_absorbed_q(
+def set_kv_b_absorbed_q(
     q_nope: Tensor, q_lat: Tensor, weights: LoraWeights, segs: LoraSegments
 ) -> None:
-    """Semantics: q_lat[t,h] += (q_nope[t,h] · B_k[slot,h]) · A[slot] (absorbed decode query).
+    """Semantics: q_lat[t,h] = (q_nope[t,h] · B_k[slot,h]) · A[slot], zeros for tokens
+    without an adapter; the caller adds q_nope · W_UK onto it (absorbed decode query).
 
-    Args: q_nope [D, H, nope]; q_lat [D, H, C] written in place.
+    On CUDA the "prefetch" kernel: it follows the latent-cache write, a Triton kernel, so
+    its weight reads overlap that kernel's run (kernels.mla_lora).
+    Args: q_nope [D, H, nope]; q_lat [D, H, C] overwritten.
     """
-    apply = mla_kv_b_lora_q if q_nope.is_cuda else mla_kv_b_lora_q_ref
-    apply(q_nope, q_lat, weights.a, weights.b, weights.segments(segs))
+    segs = weights.segments(segs)
+    if q_nope.is_cuda:
+        mla_kv_b_lora_q(
+            q_nope, q_lat, weights.a, weights.b, segs, variant="prefetch", accumulate=False
+        )
+    else:
+        mla_kv_b_lora_q_ref(q_nope, q_lat, weights.a, weights.b, segs, accumulate=False)
 
 
 def add_kv_b_absorbed_o(o_lat: Tensor, o: Tensor, weights: LoraWeights, segs: LoraSegments) -> None:
