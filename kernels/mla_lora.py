@@ -243,8 +243,8 @@ def _mla_absorbed_lora_prefetch_kernel(
     fixed grid walking the live (segment, head) items, as "planned". A program's first item
     reads its segment and both weight tiles before the PDL wait: the batch's segments are
     copied in before the step and the pool's weights change only between steps, so these
-    reads overlap the kernel before this one (the latent-cache write or the attention)
-    instead of following it. Further items (more items than programs) read theirs after."""
+    reads overlap the kernel before this one (in the model, the latent-cache write) instead
+    of following it. Further items (more items than programs) read theirs after."""
     item, items = tl.program_id(0), tl.load(num_segments_ptr) * H
     w1, w2, rank, t_start, t_end = _absorbed_item_weights(
         w1_ptr, w2_ptr, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr,
@@ -393,12 +393,10 @@ def mla_kv_b_lora_o(
     segs: LoraSegments,
     *,
     variant: str = DEFAULT_MLA_VARIANT,
-    accumulate: bool = True,
 ) -> Tensor:
     """Add kv_b LoRA's value part to the absorbed attention output, in place.
 
     Semantics: o[t,h] += (o_lat[t,h] · A[slot, :rank]ᵀ) · B[slot, h*(D+V)+D : (h+1)*(D+V), :rank]ᵀ
-    (accumulate False: o[t,h] = that correction, zeros for slot -1 tokens).
 
     Args:
         o_lat: [T, H, C] attention output in latent space, same dtype as A and B.
@@ -423,7 +421,7 @@ def mla_kv_b_lora_o(
         A.shape[1],
         segs,
         variant,
-        accumulate,
+        accumulate=True,
     )
     return o
 
@@ -450,17 +448,9 @@ def mla_kv_b_lora_q_ref(
 
 
 def mla_kv_b_lora_o_ref(
-    o_lat: Tensor,
-    o: Tensor,
-    A: Tensor,
-    B: Tensor,
-    segs: LoraSegments,
-    *,
-    accumulate: bool = True,
+    o_lat: Tensor, o: Tensor, A: Tensor, B: Tensor, segs: LoraSegments
 ) -> Tensor:
     """Torch reference of `mla_kv_b_lora_o` (gather + einsum in A's dtype), in place."""
-    if not accumulate:
-        o.zero_()
     num_tokens, num_heads, v_dim = o.shape
     slot, keep, a = _gather_kv_b_A(A, segs, num_tokens)
     b = B[slot].unflatten(1, (num_heads, -1))[:, :, -v_dim:]  # [T, H, V, R]
