@@ -289,9 +289,7 @@ def _moe_lora_pair_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank  # all false without work: the loads below then read nothing
     a_rows = (
-        a_ptr
-        + tl.maximum(slot, 0).to(tl.int64) * stride_as
-        + tl.where(A_EXPERTS == 1, 0, expert).to(tl.int64) * stride_ae
+        _key_weights(a_ptr, slot, expert, A_EXPERTS, stride_as, stride_ae)
         + (slice_idx * R + offs_r) * stride_ar
     )  # [r]
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)  # [r, k] partial products
@@ -306,11 +304,7 @@ def _moe_lora_pair_kernel(
         )  # [r, k]
         acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)  # [r]
-    b_key = (
-        b_ptr
-        + tl.maximum(slot, 0).to(tl.int64) * stride_bs
-        + tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64) * stride_be
-    )
+    b_key = _key_weights(b_ptr, slot, expert, B_EXPERTS, stride_bs, stride_be)
     col_start = chunk * cols_per_program
     col_end = tl.minimum(col_start + cols_per_program, N)
     b_next = _b_tile(
@@ -333,6 +327,15 @@ def _moe_lora_pair_kernel(
             mask_n = offs_n < col_end
             prev = tl.load(out_ptrs, mask=mask_n, other=0.0)
             tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(prev.dtype), mask=mask_n)
+
+
+@triton.jit
+def _key_weights(w_ptr, slot, expert, W_EXPERTS, stride_s, stride_e):
+    """The first weight of key (slot, expert) in a [slots, E or 1, ...] pool buffer: slot
+    -1 reads slot 0 (its loads are masked), and a shared-outer buffer (one expert) serves
+    every expert."""
+    weight_expert = tl.where(W_EXPERTS == 1, 0, expert).to(tl.int64)
+    return w_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_s + weight_expert * stride_e
 
 
 @triton.jit
