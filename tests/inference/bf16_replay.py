@@ -237,12 +237,13 @@ def check_replay_against_peft(
     }
 
 
-# One bf16 run is one draw of rounding errors, and a few ill-conditioned tokens land above
-# KL_BOUND in most correct draws: over 12 one-ulp re-roundings (tests/inference/bf16_spread.py)
-# the per-token bound failed for 8/12 of ours and 9/12 of transformers+peft's own bf16 run,
-# whose worst tokens reached 4.6e-3 (ours) and 3.4e-3 (peft). So the bound is held where a
-# correct bf16 run holds it whatever the draw: by most tokens, by each request's mean, and by
-# every token within WORST_TOKEN_KL (a wrong delta, scale or routing lands far above it).
+# One bf16 run is one draw of rounding errors, and a few ill-conditioned tokens land above KL_BOUND
+# in most correct draws: over 12 one-ulp re-roundings (tests/inference/bf16_spread.py) the per-token
+# bound failed for 8/12 of ours and 9/12 of transformers+peft's own bf16 run, whose worst tokens
+# reached 4.6e-3 (ours) and 3.4e-3 (peft); 11/12 of both on 2026-11-26. Even float32 between the
+# GEMMs with a bf16 latent cache fails 2/12 (docs/kernel_notes.md). So the bound is held where a
+# correct bf16 run holds it whatever the draw: by most tokens, by each request's mean, and by every
+# token within WORST_TOKEN_KL (a wrong delta, scale or routing lands far above it).
 MIN_TOKENS_WITHIN_BOUND = 0.9
 WORST_TOKEN_KL = 1e-2
 
