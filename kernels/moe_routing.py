@@ -158,6 +158,10 @@ def select_rows(
         else:  # the reference zeroes the other groups' scores, then takes the top-k
             scores = tl.where(keep, scores, 0.0)
             choice = scores
+    # A NaN score (a row that overflowed, or a padding row of a replayed graph) ranks first,
+    # as torch.topk ranks it: compared as NaN, argmax's reduction could keep a padding
+    # column's -inf and its index, an expert id past the last expert (E not a power of two).
+    choice = tl.where(col_ok[None, :] & (choice != choice), float("inf"), choice)
     k_cols = tl.arange(0, BLOCK_K)
     weights = tl.zeros((rows.shape[0], BLOCK_K), tl.float32)
     ids = tl.zeros((rows.shape[0], BLOCK_K), tl.int64)

@@ -106,6 +106,43 @@ def test_which_routers_the_model_sends_to_the_kernel(monkeypatch):
     assert kernel_selects("greedy", 64, 1)
 
 
+def _nan_rows_case(experts: int, noaux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """5 tokens: rows 1 and 3 all NaN, row 2 one NaN score, rows 0 and 4 finite."""
+    logits, bias = _case(experts, 5, noaux, seed=experts)
+    logits[1] = logits[3] = float("nan")
+    logits[2, experts // 2] = float("nan")
+    return logits, bias
+
+
+def _check_nan_rows(router, device: str) -> None:
+    """Every row gets distinct expert ids in [0, E); the finite rows the reference's."""
+    _, experts, top_k, method, n_group, topk_group, norm, scaling = router
+    logits, bias = _nan_rows_case(experts, method == "noaux_tc")
+    args = (top_k, method, n_group, topk_group, norm, scaling)
+    _, ids = select_experts(logits.to(device), *args, None if bias is None else bias.to(device))
+    ids = ids.cpu()
+    assert bool(((ids >= 0) & (ids < experts)).all()), ids
+    assert all(len(set(row.tolist())) == top_k for row in ids), ids
+    finite = torch.tensor([0, 4])
+    want_ids = _sorted_by_id(*select_experts_ref(logits[finite], *args, bias))[1]
+    assert torch.equal(_sorted_by_id(ids[finite].float(), ids[finite])[1], want_ids)
+
+
+@pytest.mark.parametrize("router", ROUTERS, ids=[r[0] for r in ROUTERS])
+def test_rows_of_nan_scores_get_expert_ids_in_range(router):
+    """A NaN row must not index past the experts: the ids feed the alignment's counts and
+    the grouped GEMM's weight reads. (The interpreter's argmax ranks NaN first by itself;
+    the compiled reduction does not, which the GPU twin below checks.)"""
+    _check_nan_rows(router, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("router", ROUTERS, ids=[r[0] for r in ROUTERS])
+def test_rows_of_nan_scores_get_expert_ids_in_range_on_gpu(router):
+    _check_nan_rows(router, "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tokens", [1, 64, 300])
