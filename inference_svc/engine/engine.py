@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -30,7 +31,7 @@ from datetime import UTC, datetime
 import torch
 from torch import Tensor
 
-from adapter_store.errors import LoraserveError
+from adapter_store.errors import FailedPrecondition, LoraserveError
 from inference_svc.adapters.residency_publisher import ResidencyEntry
 from inference_svc.engine.batch import SequenceStep, build_batch
 from inference_svc.engine.model_runner import ModelRunner
@@ -60,6 +61,21 @@ log = logging.getLogger("loraserve.engine")
 
 class RequestFailed(LoraserveError):
     """A request's own step raised: it is finished, the server goes on (gRPC INTERNAL)."""
+
+
+def non_finite_logits(seq: Sequence) -> LoraserveError:
+    """The error that ends a request whose logits came out NaN or infinite. Every sampled
+    token's logprob (from the unmodified logits) is read back anyway, and it is finite
+    exactly when its logits row is: the check costs the step nothing. With an adapter, the
+    adapter is the likely cause (finite weights can still overflow the compute dtype), and
+    FAILED_PRECONDITION says "this adapter cannot be served as it is"."""
+    where = f"request {seq.request_id}: the logits of output token {len(seq.output_token_ids)}"
+    if seq.adapter is None:
+        return RequestFailed(f"{where} of the base model are not finite (NaN or inf)")
+    return FailedPrecondition(
+        f"{where} with adapter {seq.adapter.label} are not finite (NaN or inf): its weights "
+        "overflow the serving dtype; the request is ended"
+    )
 
 
 @dataclass(frozen=True)
@@ -325,6 +341,9 @@ class LLMEngine:
         self._count_generated([launched.seqs[i] for i in live])
         for i in live:
             seq, token, logprob = launched.seqs[i], token_ids[i], logprobs[i]
+            if not math.isfinite(logprob):
+                self._fail(seq, non_finite_logits(seq))
+                continue
             try:
                 if seq.params.stop:
                     self._append_token(seq, token, logprob)

@@ -26,6 +26,10 @@ from tests.inference.conftest import scaled_adapter, upload
 
 boto3 = pytest.importorskip("boto3")  # absent on the GPU machine
 
+# lora_B × this stays finite in bf16 storage (the store refuses inf) and drives the tiny
+# model's float32 activations past float32's range.
+OVERFLOW_SCALE = 1e36
+
 
 @pytest.fixture
 def replica(start_inference):
@@ -293,6 +297,34 @@ def test_a_failing_step_fails_only_its_request(stub, replica) -> None:
     finally:
         replica.on_engine(lambda: setattr(runner, "execute", execute))
     assert generate(stub, request("", PROMPTS[0], 6)).token_ids == expected[0].token_ids
+    assert replica.stats().kv_pages_free == replica.stats().kv_pages_total
+
+
+def test_an_adapter_whose_logits_overflow_ends_only_its_request(stub, replica, store, tmp_path):
+    """Finite weights (the store checks that) can still overflow float32 activations: the
+    request gets FAILED_PRECONDITION naming the adapter, not NaN logprobs and garbage
+    tokens, and the requests batched with it are unaffected."""
+    huge = scaled_adapter(EMBEDDED_ADAPTERS_DIR / "shouty", tmp_path / "huge", OVERFLOW_SCALE)
+    upload(store, [(huge, "overflowing")])
+    healthy = [request("", PROMPTS[0], 6), request("shouty", PROMPTS[1], 6)]
+    expected = [generate(stub, r) for r in healthy]
+    barrier = threading.Barrier(3)
+
+    def run(req):
+        barrier.wait()
+        return generate(stub, req)
+
+    with ThreadPoolExecutor(3) as pool:
+        bad = pool.submit(run, request("overflowing", PROMPTS[2], 6))
+        good = [pool.submit(run, r) for r in healthy]
+        assert [f.result().token_ids for f in good] == [e.token_ids for e in expected]
+        for got, want in zip(good, expected, strict=True):  # batched: summation order moves
+            assert got.result().logprobs == pytest.approx(want.logprobs, abs=1e-4)
+        with pytest.raises(grpc.RpcError) as failed:
+            bad.result()
+    assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "overflowing@1" in failed.value.details()
+    assert "not finite" in failed.value.details()
     assert replica.stats().kv_pages_free == replica.stats().kv_pages_total
 
 
