@@ -33,7 +33,7 @@ import inference_svc.layers.norm as norm
 from inference_svc.layers.linear import Linear
 from inference_svc.layers.moe import RoutedExperts
 from inference_svc.runtime import Runtime
-from kernels.rms_norm import RoutedPairs, moe_combine_ref
+from kernels.rms_norm import RoutedPairs, moe_combine_ref, rms_norm_ref
 
 ROUNDINGS = ("served", "fp32-residual", "bf16-inputs-and-cache", "bf16-gemm-inputs")
 # Linears whose outputs only feed the attention (as its inputs, or q_nope's absorption).
@@ -90,11 +90,9 @@ def _round_args(module: torch.nn.Module, args: tuple) -> tuple:
 
 
 def _norm_fp32(h: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """rms_norm of a float32 row, rounded once to the weight's dtype."""
-    h32 = h.float()
-    return (weight.float() * h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(
-        weight.dtype
-    )
+    """rms_norm of a float32 row (the reference's arithmetic), rounded once to the weight's
+    dtype."""
+    return rms_norm_ref(h.float(), weight, eps).to(weight.dtype)
 
 
 def _norm_fp32_in(self: norm.RMSNorm, x: Tensor) -> Tensor:
