@@ -33,7 +33,7 @@ import inference_svc.layers.norm as norm
 from inference_svc.layers.linear import Linear
 from inference_svc.layers.moe import RoutedExperts
 from inference_svc.runtime import Runtime
-from kernels.rms_norm import RoutedPairs, moe_combine_ref, rms_norm_ref
+from kernels.rms_norm import RoutedPairs, add_rms_norm_ref, rms_norm_ref
 
 ROUNDINGS = ("served", "fp32-residual", "bf16-inputs-and-cache", "bf16-gemm-inputs")
 # Linears whose outputs only feed the attention (as its inputs, or q_nope's absorption).
@@ -102,14 +102,19 @@ def _norm_fp32_in(self: norm.RMSNorm, x: Tensor) -> Tensor:
 def _add_norm_fp32(
     residual: Tensor, addends: tuple, weight: Tensor, eps: float, y_float: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """add_rms_norm_ref with h kept in float32."""
-    h = residual.float()
-    for addend in addends:
-        h = h + (moe_combine_ref(*addend) if isinstance(addend, RoutedPairs) else addend).float()
-    y = _norm_fp32(h, weight, eps)
+    """add_rms_norm_ref with h (and the addends' sum) in float32, y rounded once to the
+    weight's dtype; y_float receives that y, as the served norm gives the router."""
+    h, y = add_rms_norm_ref(residual.float(), tuple(map(_as_float32, addends)), weight, eps)
+    y = y.to(weight.dtype)
     if y_float is not None:
         y_float.copy_(y.float())
     return h, y
+
+
+def _as_float32(addend: Tensor | RoutedPairs) -> Tensor | RoutedPairs:
+    if isinstance(addend, RoutedPairs):
+        return addend._replace(pair_out=addend.pair_out.float())
+    return addend.float()
 
 
 def _cache_rows_rounded(write: Callable) -> Callable:

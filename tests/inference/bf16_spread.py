@@ -25,8 +25,9 @@ draw. Token 14 is ill-conditioned (its error is amplified by layer 3's attention
 
 Findings on 2026-11-26 (the served greedy tokens have moved since), draws over the bound
 for unittest-style / docs-prose / shouty: served 11/12, 2/12, 0/12 (peft-bf16 11/12, 4/12,
-0/12); fp32-residual 7/12, 0, 0; bf16-inputs-and-cache 2/12, 0, 0; bf16-gemm-inputs 0, 0,
-0 (docs/kernel_notes.md, "Which roundings the per-token bound can bear").
+0/12); fp32-residual 7-9/12, 0-1/12, 0 (by float32 summation order); bf16-inputs-and-cache
+2/12, 0, 0; bf16-gemm-inputs 0, 0, 0 (docs/kernel_notes.md, "Which roundings the per-token
+bound can bear").
 """
 
 from __future__ import annotations
