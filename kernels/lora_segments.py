@@ -135,6 +135,29 @@ def load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr):
     return slot, rank, t_start, t_end
 
 
+# Rank columns a kernel rounds its rank-contiguous loads up to (B rows [.., n, R]): 8 bf16 are
+# one 16-byte vector, and a DRAM sector (32 bytes) holds 16, so rounding reads no more sectors.
+RANK_VECTOR = 8
+
+
+def rank_alignment(pool_rank: int) -> int:
+    """The RANK_ALIGN a launcher passes (`rank_load_bound`): RANK_VECTOR where the pool rank
+    is a multiple of it, else 1 (rounding up could run past a row's last column)."""
+    return RANK_VECTOR if pool_rank % RANK_VECTOR == 0 else 1
+
+
+@triton.jit
+def rank_load_bound(rank, RANK_ALIGN: tl.constexpr):
+    """Bound of the rank columns to load along a rank-contiguous row: `rank` rounded up to
+    RANK_ALIGN. A bound the compiler knows to be a multiple of 8 lets the loads be 16-byte
+    vectors; the slot's own rank (any value) makes them 2-byte scalar loads (LDG.E.U16 in
+    SASS), 8x the load instructions. The caller zeroes the columns from `rank` on
+    (`tl.where`), so what lies there (zeros in the pool) never reaches a result."""
+    if RANK_ALIGN > 1:
+        return tl.multiple_of((rank + RANK_ALIGN - 1) // RANK_ALIGN * RANK_ALIGN, RANK_ALIGN)
+    return rank
+
+
 def live_rank_columns(slot_rank: Tensor, slot: Tensor, pool_rank: int) -> Tensor:
     """[*slot.shape, R] bool for the torch references: rank column r is used by the adapter
     in `slot` (r < its true rank); all false for slot -1."""

@@ -23,7 +23,13 @@ from torch import Tensor
 
 from kernels.host_math import next_power_of_2
 from kernels.launch import fast
-from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
+from kernels.lora_segments import (
+    LoraSegments,
+    live_rank_columns,
+    load_segment,
+    rank_alignment,
+    rank_load_bound,
+)
 from kernels.pdl import grid_dependency_control
 from kernels.sgmv import dot_precision, num_sms
 
@@ -72,6 +78,8 @@ def _mla_absorbed_lora_item(
     BLOCK_R: tl.constexpr,
     BLOCK_IN: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
+    W1_RANK_ALIGN: tl.constexpr,
+    W2_RANK_ALIGN: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -99,9 +107,10 @@ def _mla_absorbed_lora_item(
             )  # [t, i]
             w = tl.load(
                 w1 + offs_i[:, None] * stride_w1i + offs_r[None, :] * stride_w1r,
-                mask=mask_i[:, None] & mask_r[None, :],
+                mask=mask_i[:, None] & (offs_r < rank_load_bound(rank, W1_RANK_ALIGN))[None, :],
                 other=0.0,
             )  # [i, r]
+            w = tl.where(mask_r[None, :], w, 0.0)
             z = tl.dot(x, w, z, input_precision=DOT_PRECISION)
         w2 = w2_ptr + slot.to(tl.int64) * stride_w2s + head * stride_w2h
         for o in range(0, OUT, BLOCK_OUT):
@@ -109,9 +118,10 @@ def _mla_absorbed_lora_item(
             mask_o = offs_o < OUT
             w = tl.load(
                 w2 + offs_r[:, None] * stride_w2r + offs_o[None, :] * stride_w2o,
-                mask=mask_r[:, None] & mask_o[None, :],
+                mask=(offs_r < rank_load_bound(rank, W2_RANK_ALIGN))[:, None] & mask_o[None, :],
                 other=0.0,
             )  # [r, o]
+            w = tl.where(mask_r[:, None], w, 0.0)
             delta = tl.dot(z.to(w.dtype), w, input_precision=DOT_PRECISION)  # [t, o]
             out_ptrs = out_head + offs_t[:, None] * stride_ot + offs_o[None, :] * stride_oo
             _add_or_store(out_ptrs, delta, mask_t[:, None] & mask_o[None, :], ACCUMULATE)
@@ -158,6 +168,8 @@ def _mla_absorbed_lora_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_IN: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
+    W1_RANK_ALIGN: tl.constexpr,
+    W2_RANK_ALIGN: tl.constexpr,
     PLANNED: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -200,6 +212,8 @@ def _mla_absorbed_lora_kernel(
             BLOCK_R,
             BLOCK_IN,
             BLOCK_OUT,
+            W1_RANK_ALIGN,
+            W2_RANK_ALIGN,
             ACCUMULATE,
             DOT_PRECISION,
         )
@@ -236,6 +250,8 @@ def _mla_absorbed_lora_prefetch_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_IN: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
+    W1_RANK_ALIGN: tl.constexpr,
+    W2_RANK_ALIGN: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -250,7 +266,7 @@ def _mla_absorbed_lora_prefetch_kernel(
         w1_ptr, w2_ptr, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr,
         tl.where(item < items, item // H, 0), item % H, item < items, IN, OUT,
         stride_w1s, stride_w1h, stride_w1i, stride_w1r, stride_w2s, stride_w2h, stride_w2r,
-        stride_w2o, BLOCK_R, BLOCK_IN, BLOCK_OUT,
+        stride_w2o, BLOCK_R, BLOCK_IN, BLOCK_OUT, W1_RANK_ALIGN, W2_RANK_ALIGN,
     )  # fmt: skip
     grid_dependency_control()
     for next_item in range(item, items, tl.num_programs(0)):
@@ -259,7 +275,8 @@ def _mla_absorbed_lora_prefetch_kernel(
             w1, w2, rank, t_start, t_end = _absorbed_item_weights(
                 w1_ptr, w2_ptr, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, next_item // H,
                 head, True, IN, OUT, stride_w1s, stride_w1h, stride_w1i, stride_w1r, stride_w2s,
-                stride_w2h, stride_w2r, stride_w2o, BLOCK_R, BLOCK_IN, BLOCK_OUT,
+                stride_w2h, stride_w2r, stride_w2o, BLOCK_R, BLOCK_IN, BLOCK_OUT, W1_RANK_ALIGN,
+                W2_RANK_ALIGN,
             )  # fmt: skip
         if (rank > 0) | (not ACCUMULATE):
             offs_t = t_start + tl.arange(0, BLOCK_T)
@@ -309,6 +326,8 @@ def _absorbed_item_weights(
     BLOCK_R: tl.constexpr,
     BLOCK_IN: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
+    W1_RANK_ALIGN: tl.constexpr,
+    W2_RANK_ALIGN: tl.constexpr,
 ):
     """(w1 [i, r], w2 [r, o], rank, first token, end token) of item (seg, head): whole
     tiles, zeros past the slot's rank (all zeros without work, or when not `live`)."""
@@ -325,18 +344,20 @@ def _absorbed_item_weights(
         + head * stride_w1h
         + offs_i[:, None] * stride_w1i
         + offs_r[None, :] * stride_w1r,
-        mask=(offs_i < IN)[:, None] & mask_r[None, :],
+        mask=(offs_i < IN)[:, None] & (offs_r < rank_load_bound(rank, W1_RANK_ALIGN))[None, :],
         other=0.0,
     )  # [i, r]
+    w1 = tl.where(mask_r[None, :], w1, 0.0)
     w2 = tl.load(
         w2_ptr
         + slot * stride_w2s
         + head * stride_w2h
         + offs_r[:, None] * stride_w2r
         + offs_o[None, :] * stride_w2o,
-        mask=mask_r[:, None] & (offs_o < OUT)[None, :],
+        mask=(offs_r < rank_load_bound(rank, W2_RANK_ALIGN))[:, None] & (offs_o < OUT)[None, :],
         other=0.0,
     )  # [r, o]
+    w2 = tl.where(mask_r[:, None], w2, 0.0)
     return w1, w2, rank, t_start, t_end
 
 
@@ -495,6 +516,10 @@ def _launch(
     common = {
         "BLOCK_T": segs.max_seg_len,
         "BLOCK_R": block_r,
+        # B's rows are rank-contiguous (w1 for the query side, w2 for the output side):
+        # rounded loads there, the true rank for A's rows (rounding would read more rows).
+        "W1_RANK_ALIGN": rank_alignment(pool_rank) if w1_strides[3] == 1 else 1,
+        "W2_RANK_ALIGN": rank_alignment(pool_rank) if w2_strides[2] == 1 else 1,
         "ACCUMULATE": accumulate,
         "DOT_PRECISION": dot_precision(x.dtype),
     }

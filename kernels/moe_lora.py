@@ -37,7 +37,12 @@ from torch import Tensor
 
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.launch import fast
-from kernels.lora_segments import LoraSegments, live_rank_columns
+from kernels.lora_segments import (
+    LoraSegments,
+    live_rank_columns,
+    rank_alignment,
+    rank_load_bound,
+)
 from kernels.pdl import grid_dependency_control
 from kernels.sgmv import dot_precision, num_sms, plan_split_k, rank_block
 
@@ -192,6 +197,7 @@ def _moe_lora_expand_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    RANK_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     grid_dependency_control()
@@ -211,6 +217,7 @@ def _moe_lora_expand_kernel(
         slot = run_key // B_EXPERTS
         rank = tl.load(slot_rank_ptr + slot)
         b_run = b_ptr + slot.to(tl.int64) * stride_bs + (run_key % B_EXPERTS) * stride_be
+        load_rank = rank_load_bound(rank, RANK_ALIGN)
         for r in range(0, rank, BLOCK_R):
             offs_r = r + tl.arange(0, BLOCK_R)
             mask_r = offs_r < rank
@@ -221,9 +228,10 @@ def _moe_lora_expand_kernel(
             )  # [p, r]
             b = tl.load(
                 b_run + cols[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                mask=mask_n[None, :] & mask_r[:, None],
+                mask=mask_n[None, :] & (offs_r < load_rank)[:, None],
                 other=0.0,
             )  # [r, n]
+            b = tl.where(mask_r[:, None], b, 0.0)
             acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
         done = done | sel
     out_ptrs = out_ptr + offs_p[:, None] * stride_op + cols[None, :] * stride_on
@@ -266,6 +274,7 @@ def _moe_lora_pair_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RANK_ALIGN: tl.constexpr,
 ):
     """out[p, slice cols of chunk] += B[slot, eB, cols, :rank] · (A[slot, eA, slice rows] · x)
     for one (pair, slice, column chunk); y [rank] stays in float32 registers.
@@ -305,11 +314,13 @@ def _moe_lora_pair_kernel(
         acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)  # [r]
     b_key = _key_weights(b_ptr, slot, expert, B_EXPERTS, stride_bs, stride_be)
+    load_r = offs_r < rank_load_bound(rank, RANK_ALIGN)
     col_start = chunk * cols_per_program
     col_end = tl.minimum(col_start + cols_per_program, N)
     b_next = _b_tile(
-        b_key, slice_idx * N, col_start, col_end, offs_r, mask_r, stride_bn, stride_br, BLOCK_N
-    )  # [n, r] the first tile of B, read before the wait too
+        b_key, slice_idx * N, col_start, col_end, offs_r, mask_r, load_r, stride_bn, stride_br,
+        BLOCK_N,
+    )  # fmt: skip  # [n, r] the first tile of B, read before the wait too
     grid_dependency_control()
     if rank > 0:
         out_row = out_ptr + pair.to(tl.int64) * stride_op
@@ -318,8 +329,8 @@ def _moe_lora_pair_kernel(
             # first one before the wait): its latency hides behind the out round trip.
             b = b_next
             b_next = _b_tile(
-                b_key, slice_idx * N, n + BLOCK_N, col_end, offs_r, mask_r, stride_bn, stride_br,
-                BLOCK_N,
+                b_key, slice_idx * N, n + BLOCK_N, col_end, offs_r, mask_r, load_r, stride_bn,
+                stride_br, BLOCK_N,
             )  # fmt: skip
             delta = tl.sum(b.to(tl.float32) * y[None, :], axis=1)  # [n]
             offs_n = n + tl.arange(0, BLOCK_N)
@@ -340,16 +351,19 @@ def _key_weights(w_ptr, slot, expert, W_EXPERTS, stride_s, stride_e):
 
 @triton.jit
 def _b_tile(
-    b_key, first_col, n, col_end, offs_r, mask_r, stride_bn, stride_br, BLOCK_N: tl.constexpr
-):
+    b_key, first_col, n, col_end, offs_r, mask_r, load_r, stride_bn, stride_br,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
     """[BLOCK_N, r] rows first_col + n.. of one key's B (masked from col_end on: none when
-    n ≥ col_end)."""
+    n ≥ col_end), read in the columns `load_r` (`rank_load_bound`) and zero outside
+    `mask_r` (the slot's rank)."""
     offs_n = n + tl.arange(0, BLOCK_N)
-    return tl.load(
+    b = tl.load(
         b_key + (first_col + offs_n)[:, None] * stride_bn + offs_r[None, :] * stride_br,
-        mask=(offs_n < col_end)[:, None] & mask_r[None, :],
+        mask=(offs_n < col_end)[:, None] & load_r[None, :],
         other=0.0,
     )
+    return tl.where(mask_r[None, :], b, 0.0)
 
 
 @dataclass(frozen=True)
@@ -425,6 +439,7 @@ def add_pair_lora(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    RANK_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """acc [m, n] (float32 tile of `expert`, rows `pair` where `real`, columns
@@ -459,9 +474,11 @@ def add_pair_lora(
                     b_key = b_ptr + run_slot.to(tl.int64) * stride_bs + b_expert * stride_be
                     b = tl.load(
                         b_key + offs_n[None, :] * stride_bn + offs_r[:, None],
-                        mask=in_slice[None, :] & (offs_r < rank)[:, None],
+                        mask=in_slice[None, :]
+                        & (offs_r < rank_load_bound(rank, RANK_ALIGN))[:, None],
                         other=0.0,
                     )  # [r, n]
+                    b = tl.where((offs_r < rank)[:, None], b, 0.0)
                     y_run = tl.where(sel[:, None], y, 0.0).to(b.dtype)
                     acc = tl.dot(y_run, b, acc, input_precision=DOT_PRECISION)
                     done = done | sel
@@ -632,6 +649,7 @@ def _moe_lora(
         BLOCK_P=walk.block_p,
         BLOCK_N=block_n,
         BLOCK_R=rank_block(pool_rank),
+        RANK_ALIGN=rank_alignment(pool_rank),
         DOT_PRECISION=dot_precision(B.dtype),
     )
     return out
@@ -737,7 +755,7 @@ def _moe_lora_pairs(
         *x.stride(), *A.stride(), *B.stride(), *out.stride(),
         NUM_SLICES=num_slices, X_PER_PAIR=x_per_pair,
         BLOCK_R=block_r, BLOCK_K=min(8192 // block_r, next_power_of_2(max(k_dim, 16))),
-        BLOCK_N=block_n,
+        BLOCK_N=block_n, RANK_ALIGN=rank_alignment(pool_rank),
     )  # fmt: skip
 
 

@@ -24,7 +24,13 @@ from torch import Tensor
 
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.launch import fast
-from kernels.lora_segments import LoraSegments, live_rank_columns, load_segment
+from kernels.lora_segments import (
+    LoraSegments,
+    live_rank_columns,
+    load_segment,
+    rank_alignment,
+    rank_load_bound,
+)
 from kernels.pdl import grid_dependency_control
 
 # Expand supports this many stacked slices (DeepSeek needs 2: qkv_a, gate_up).
@@ -243,6 +249,7 @@ def _expand_item(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     COLS_ALIGNED: tl.constexpr,
+    RANK_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """out[seg's tokens, column block pid_n] += y · B[slot]ᵀ over the block's slice."""
@@ -269,6 +276,7 @@ def _expand_item(
         # Issued before the rank loop so its latency overlaps the B loads.
         prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
         b_slot = b_ptr + slot.to(tl.int64) * stride_bs
+        load_rank = rank_load_bound(rank, RANK_ALIGN)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)  # [t, n]
         for r in range(0, rank, BLOCK_R):
             offs_r = r + tl.arange(0, BLOCK_R)
@@ -280,9 +288,10 @@ def _expand_item(
             )  # [t, r]
             b = tl.load(
                 b_slot + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                mask=mask_n[None, :] & mask_r[:, None],
+                mask=mask_n[None, :] & (offs_r < load_rank)[:, None],
                 other=0.0,
             )  # [r, n]
+            b = tl.where(mask_r[:, None], b, 0.0)
             acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
         tl.store(out_ptrs, (prev.to(tl.float32) + acc).to(prev.dtype), mask=out_mask)
 
@@ -315,6 +324,7 @@ def _sgmv_expand_kernel(
     BLOCK_R: tl.constexpr,
     PLANNED: tl.constexpr,
     COLS_ALIGNED: tl.constexpr,
+    RANK_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """v1: one program per (segment, column block) of the grid. planned: a fixed grid walks
@@ -351,6 +361,7 @@ def _sgmv_expand_kernel(
             BLOCK_N,
             BLOCK_R,
             COLS_ALIGNED,
+            RANK_ALIGN,
             DOT_PRECISION,
         )
 
@@ -401,6 +412,8 @@ class SgmvVariant:
     programs_per_sm: int = 8
     # Shrink BLOCK_K / expand BLOCK_N; None keeps v1's rule.
     block: int | None = None
+    # Software-pipelining depth of the launch; None keeps Triton's default.
+    num_stages: int | None = None
 
     def __post_init__(self) -> None:
         if self.programs_per_sm < 1:
@@ -419,7 +432,11 @@ SHRINK_VARIANTS = {
 }
 EXPAND_VARIANTS = {
     "v1": SgmvVariant(planned=False),
-    "planned": SgmvVariant(planned=True, programs_per_sm=16, block=128),
+    # Unpipelined: a pool rank ≤ 64 is one rank tile, so the loop over rank runs once and
+    # pipelining it only staged B through shared memory (H100, V3 shapes, cold L2: rank 16
+    # at 64 / 256 tokens 10.5 → 9.0, 17.0 → 14.4 µs; rank 64 23.4 → 20.0, 42.3 → 37.2;
+    # lora_kernels_v13_stages_h100.json).
+    "planned": SgmvVariant(planned=True, programs_per_sm=16, block=128, num_stages=1),
     "planned_n64": SgmvVariant(planned=True, programs_per_sm=16, block=64),
     # Wider tiles, more programs in flight: a prompt chunk's read-modify-write of out nearer
     # copy bandwidth (H100, 8192 tokens × 16 adapters, expand_tiles_h100.json: q_b 68.0 →
@@ -598,7 +615,8 @@ def sgmv_expand(
         *y.stride(), *B.stride(), *out.stride(),
         BLOCK_T=segs.max_seg_len, BLOCK_N=block_n, BLOCK_R=rank_block(pool_rank),
         PLANNED=plan.planned, COLS_ALIGNED=plan.planned and all(o % 8 == 0 for o in slice_offsets),
-        DOT_PRECISION=dot_precision(B.dtype),
+        RANK_ALIGN=rank_alignment(pool_rank), DOT_PRECISION=dot_precision(B.dtype),
+        **({} if plan.num_stages is None else {"num_stages": plan.num_stages}),
     )  # fmt: skip
     return out
 

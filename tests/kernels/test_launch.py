@@ -37,7 +37,7 @@ def _scale_kernel(x_ptr, out_ptr, n, n_loose, scale, BLOCK: tl.constexpr, ADD_ON
 # wrote, which that kernel's own wait made complete before this one could launch.
 PREFETCH_BEFORE_WAIT = {
     "_gemv_kernel": 5,
-    "_moe_lora_pair_kernel": 21,
+    "_moe_lora_pair_kernel": 22,
     "_mla_absorbed_lora_prefetch_kernel": 2,
 }
 
