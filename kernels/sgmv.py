@@ -441,7 +441,10 @@ EXPAND_VARIANTS = {
     # Wider tiles, more programs in flight: a prompt chunk's read-modify-write of out nearer
     # copy bandwidth (H100, 8192 tokens × 16 adapters, expand_tiles_h100.json: q_b 68.0 →
     # 58.3 µs, gate_up 129.5 → 96.6, o 45.1 → 42.4; floors 34.2 / 62.7 / 22.8).
-    "planned_n256_p32": SgmvVariant(planned=True, programs_per_sm=32, block=256),
+    # Unpipelined as "planned" (4096 tokens, 1 / 8 adapters, lora_kernels_v13_expand_stages_
+    # all_h100.json: V3 rank 16 57.9 → 53.6 / 58.4 → 55.4 µs, rank 64 113.0 → 91.4 /
+    # 113.8 → 95.6; V2-Lite rank 64 37.1 → 32.3 / 36.8 → 32.4).
+    "planned_n256_p32": SgmvVariant(planned=True, programs_per_sm=32, block=256, num_stages=1),
 }
 # What the launchers use unless told otherwise: the prediction of docs/kernel_notes.md,
 # to be replaced by the measured best.
