@@ -53,6 +53,13 @@ EPILOGUE_BLOCK_P = 64
 # "pairs" re-reads a key's weights once per pair (from L2 when pairs share it): right for
 # decode, where nearly every pair has its own key; "auto" uses "runs" beyond this.
 PAIRS_MAX_PAIRS = 4096
+# The "pairs" shrink walks K in tiles of PAIRS_SHRINK_TILE weights (BLOCK_R × BLOCK_K),
+# PAIRS_SHRINK_STAGES deep. H100, 8-layer V2-Lite decode step with 32 rank-16 adapters
+# (lora_v14_moe_pairs_stages*_h100.log), unpipelined 8192-weight tiles → these: B=1 1198 →
+# 1176 µs, B=64 4419 → 4388, B=256 6100 → 5952; 8192-weight tiles 2 deep were as fast at
+# B=64 and slower at 1 and 256, 8 warps with twice the tiles slower everywhere.
+PAIRS_SHRINK_TILE = 4096
+PAIRS_SHRINK_STAGES = 3
 # "pairs" programs per SM it aims for when splitting columns (None: one chunk per slice).
 MOE_VARIANTS = {"runs": None, "pairs": 2}
 DEFAULT_MOE_VARIANT = "auto"
@@ -275,6 +282,7 @@ def _moe_lora_pair_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
+    SHRINK_STAGES: tl.constexpr,
 ):
     """out[p, slice cols of chunk] += B[slot, eB, cols, :rank] · (A[slot, eA, slice rows] · x)
     for one (pair, slice, column chunk); y [rank] stays in float32 registers.
@@ -302,7 +310,8 @@ def _moe_lora_pair_kernel(
         + (slice_idx * R + offs_r) * stride_ar
     )  # [r]
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)  # [r, k] partial products
-    for k in range(0, K, BLOCK_K):
+    # Pipelined: the next K tiles of A are in flight while this one is multiplied.
+    for k in tl.range(0, K, BLOCK_K, num_stages=SHRINK_STAGES):
         offs_k = k + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         x = tl.load(x_row + offs_k * stride_xk, mask=mask_k & (rank > 0), other=0.0)  # [k]
@@ -754,8 +763,9 @@ def _moe_lora_pairs(
         k_dim, slice_width, pool_rank, A.shape[1], B.shape[1], cols_per_program, chunks,
         *x.stride(), *A.stride(), *B.stride(), *out.stride(),
         NUM_SLICES=num_slices, X_PER_PAIR=x_per_pair,
-        BLOCK_R=block_r, BLOCK_K=min(8192 // block_r, next_power_of_2(max(k_dim, 16))),
-        BLOCK_N=block_n, RANK_ALIGN=rank_alignment(pool_rank),
+        BLOCK_R=block_r,
+        BLOCK_K=min(PAIRS_SHRINK_TILE // block_r, next_power_of_2(max(k_dim, 16))),
+        BLOCK_N=block_n, RANK_ALIGN=rank_alignment(pool_rank), SHRINK_STAGES=PAIRS_SHRINK_STAGES,
     )  # fmt: skip
 
 
