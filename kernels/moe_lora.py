@@ -326,10 +326,11 @@ def _moe_lora_pair_kernel(
     load_r = offs_r < rank_load_bound(rank, RANK_ALIGN)
     col_start = chunk * cols_per_program
     col_end = tl.minimum(col_start + cols_per_program, N)
+    # [n, r]: the first tile of B, read before the wait too.
     b_next = _b_tile(
         b_key, slice_idx * N, col_start, col_end, offs_r, mask_r, load_r, stride_bn, stride_br,
         BLOCK_N,
-    )  # fmt: skip  # [n, r] the first tile of B, read before the wait too
+    )  # fmt: skip
     grid_dependency_control()
     if rank > 0:
         out_row = out_ptr + pair.to(tl.int64) * stride_op
