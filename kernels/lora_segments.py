@@ -254,6 +254,7 @@ def _fill_packed(
 ) -> None:
     """Write the per-step fields of `slots`' segments into a host packed buffer, padded
     past the live counts with empty segments and slot -1."""
+    packed.fill(0)  # the padding between fields too: equal batches give equal buffers
     seg_indptr, seg_slot, token_slot, num_segments = _split(packed, config)
     live = seg_starts.size
     seg_indptr[:live] = seg_starts
@@ -266,22 +267,44 @@ def _fill_packed(
 
 
 # One packed int32 buffer holds every per-step field so the builder needs a single copy:
-# seg_indptr, seg_slot, token_slot and num_segments, in that order.
+# seg_indptr, seg_slot, token_slot and num_segments, in that order. Each field starts on a
+# 16-byte boundary: kernels take the fields as pointers, which Triton specialises by 16-byte
+# alignment, and offsets that moved with the step's token count made serving compile
+# variants the warm-up had not met (H100, N=1000 zipf after the other scenarios: two
+# `_sgmv_expand_kernel` compiles whose only difference was seg_slot's alignment).
+FIELD_ALIGN = 4  # int32 entries: 16 bytes
+
+
 def _field_lens(config: LoraSegmentsConfig) -> list[int]:
     return [config.max_segments + 1, config.max_segments, config.max_tokens, 1]
 
 
+def _field_offsets(config: LoraSegmentsConfig) -> list[int]:
+    """Each field's first entry in the packed buffer, a multiple of FIELD_ALIGN."""
+    offsets, offset = [], 0
+    for length in _field_lens(config):
+        offsets.append(offset)
+        offset += -(-length // FIELD_ALIGN) * FIELD_ALIGN
+    return offsets
+
+
 def _packed_len(config: LoraSegmentsConfig) -> int:
-    return sum(_field_lens(config))
+    return _field_offsets(config)[-1] + _field_lens(config)[-1]
 
 
 def _split(packed: np.ndarray, config: LoraSegmentsConfig) -> list[np.ndarray]:
     """The fields of a host packed buffer as numpy views (what `_views` is to tensors)."""
-    return np.split(packed, np.cumsum(_field_lens(config))[:-1])
+    return [
+        packed[offset : offset + length]
+        for offset, length in zip(_field_offsets(config), _field_lens(config), strict=True)
+    ]
 
 
 def _views(packed: Tensor, config: LoraSegmentsConfig, slot_rank: Tensor) -> LoraSegments:
-    seg_indptr, seg_slot, token_slot, num_segments = torch.split(packed, _field_lens(config))
+    seg_indptr, seg_slot, token_slot, num_segments = (
+        packed[offset : offset + length]
+        for offset, length in zip(_field_offsets(config), _field_lens(config), strict=True)
+    )
     return LoraSegments(
         seg_indptr=seg_indptr,
         seg_slot=seg_slot,

@@ -74,6 +74,19 @@ def test_reuse_pads_past_the_live_batch() -> None:
     assert (segs.num_tokens, segs.num_live_segments, segs.num_segments.item()) == (3, 2, 2)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 16, 17, 63, 130, 1023])
+def test_every_field_starts_16_byte_aligned(num_tokens: int) -> None:
+    """Kernels get the fields as pointers, which Triton specialises by 16-byte alignment:
+    an offset that moves with the token count would compile new variants mid-serving."""
+    for segs in (
+        build_lora_segments([0] * num_tokens, [4]),
+        allocate_lora_segments(LoraSegmentsConfig(max_tokens=num_tokens, num_slots=2), "cpu"),
+    ):
+        for field in (segs.seg_indptr, segs.seg_slot, segs.token_slot, segs.num_segments):
+            offset = field.data_ptr() - segs.packed.data_ptr()
+            assert field.data_ptr() % 16 == 0, (num_tokens, offset)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_batches_partition_the_tokens(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
