@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.host_math import cdiv
+
 NO_SLOT = -1
 
 
@@ -279,31 +281,28 @@ def _field_lens(config: LoraSegmentsConfig) -> list[int]:
     return [config.max_segments + 1, config.max_segments, config.max_tokens, 1]
 
 
-def _field_offsets(config: LoraSegmentsConfig) -> list[int]:
-    """Each field's first entry in the packed buffer, a multiple of FIELD_ALIGN."""
-    offsets, offset = [], 0
+def _field_slices(config: LoraSegmentsConfig) -> list[slice]:
+    """Each field's entries in the packed buffer, every one starting at a multiple of
+    FIELD_ALIGN."""
+    slices, offset = [], 0
     for length in _field_lens(config):
-        offsets.append(offset)
-        offset += -(-length // FIELD_ALIGN) * FIELD_ALIGN
-    return offsets
+        slices.append(slice(offset, offset + length))
+        offset += cdiv(length, FIELD_ALIGN) * FIELD_ALIGN
+    return slices
 
 
 def _packed_len(config: LoraSegmentsConfig) -> int:
-    return _field_offsets(config)[-1] + _field_lens(config)[-1]
+    return _field_slices(config)[-1].stop
 
 
 def _split(packed: np.ndarray, config: LoraSegmentsConfig) -> list[np.ndarray]:
     """The fields of a host packed buffer as numpy views (what `_views` is to tensors)."""
-    return [
-        packed[offset : offset + length]
-        for offset, length in zip(_field_offsets(config), _field_lens(config), strict=True)
-    ]
+    return [packed[field] for field in _field_slices(config)]
 
 
 def _views(packed: Tensor, config: LoraSegmentsConfig, slot_rank: Tensor) -> LoraSegments:
     seg_indptr, seg_slot, token_slot, num_segments = (
-        packed[offset : offset + length]
-        for offset, length in zip(_field_offsets(config), _field_lens(config), strict=True)
+        packed[field] for field in _field_slices(config)
     )
     return LoraSegments(
         seg_indptr=seg_indptr,
