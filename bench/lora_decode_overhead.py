@@ -110,6 +110,10 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
     # The linear modules' shrinks with fewer K splits (fewer float32 atomics).
     "shrink_p2": {(apply, "sgmv_shrink"): functools.partial(sgmv_shrink, variant="planned_p2")},
     "shrink_p1": {(apply, "sgmv_shrink"): functools.partial(sgmv_shrink, variant="planned_p1")},
+    # One-token steps through cuBLAS and the separate LoRA kernels (the shrink beside the
+    # product on the side stream, then the expand; kv_b's corrections as their own launches)
+    # instead of kernels.gemv with the LoRA in its launches.
+    "one_token_cublas": {(apply, "ONE_TOKEN_LORA_IN_GEMV"): False},
 }
 
 

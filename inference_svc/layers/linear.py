@@ -13,7 +13,13 @@ from torch import nn
 
 from inference_svc.layers.norm import RMSNorm
 from inference_svc.layers.quant import QuantMethod
-from inference_svc.lora.apply import LoraWeights, finish_linear_lora, start_linear_lora
+from inference_svc.lora import apply as lora_apply
+from inference_svc.lora.apply import (
+    LoraWeights,
+    finish_linear_lora,
+    one_token_linear_lora,
+    start_linear_lora,
+)
 from kernels import fused_moe as fm
 from kernels.fp8 import fp8_block_linear, fp8_block_linear_ref
 from kernels.gemv import gemv, gemv_fits
@@ -68,16 +74,21 @@ class Linear(nn.Module):
         silu(gate)·up. Both ride in the one-token kernel where that runs."""
         info = self.quant.quant_info(self)
         has_lora = lora is not None and self.lora is not None
-        # One token without LoRA: the weight-streaming kernel. With LoRA the shrink runs on
-        # the side stream beside cuBLAS, and measured slower beside gemv (B=1 with one
-        # adapter, 8 layers: 1311 → 1367 µs, lora_decode_overhead_v24_h100.json).
-        if not has_lora and info.scale is None and x.is_cuda and gemv_fits(x, info.weight, gated):
+        # One token: the weight-streaming kernel (kernels.gemv), with LoRA its shrink launched
+        # just before it and its expand in its epilogue (lora_apply.ONE_TOKEN_LORA_IN_GEMV).
+        one_token = info.scale is None and x.is_cuda and gemv_fits(x, info.weight, gated)
+        if one_token and (not has_lora or lora_apply.ONE_TOKEN_LORA_IN_GEMV):
             if norm is not None and not NORM_IN_GEMV:
                 x, norm = norm(x), None
             if gated and not SILU_IN_GEMV:
                 x, gated = fm.silu_mul(x), False
             norm_args = () if norm is None else (norm.weight, norm.eps)
-            return gemv(x, info.weight, *norm_args, gated=gated)
+            gemv_lora = None
+            if has_lora:
+                gemv_lora = one_token_linear_lora(
+                    x, self.lora, lora, self.slice_offsets, *norm_args, gated=gated
+                )
+            return gemv(x, info.weight, *norm_args, gated=gated, lora=gemv_lora)
         if norm is not None:
             x = norm(x)
         if gated:

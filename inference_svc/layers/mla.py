@@ -24,7 +24,12 @@ from inference_svc.layers.linear import Linear
 from inference_svc.layers.norm import RMSNorm
 from inference_svc.layers.quant import QuantMethod, UnquantizedMethod
 from inference_svc.layers.rope import RotaryEmbedding
-from inference_svc.lora.apply import add_kv_b_absorbed_o, set_kv_b_absorbed_q
+from inference_svc.lora import apply as lora_apply
+from inference_svc.lora.apply import (
+    add_kv_b_absorbed_o,
+    one_token_kv_b_lora,
+    set_kv_b_absorbed_q,
+)
 from inference_svc.model.config import ModelConfig
 from kernels.gemv import gemv_per_head, gemv_per_head_fits
 from kernels.latent_cache import write_latent_cache, write_latent_cache_ref
@@ -126,16 +131,24 @@ class MLAAttention(nn.Module):
         lora = batch.lora.decode_tokens if batch.lora is not None else None
         kv_b_lora = self.kv_b.lora if lora is not None else None
         # One token: both absorptions are per-head GEMVs whose weight reads overlap the
-        # previous kernel (kernels.gemv); cuBLAS's bmm waits for it to finish.
+        # previous kernel (kernels.gemv), kv_b's LoRA corrections in their epilogues;
+        # cuBLAS's bmm waits for it to finish.
         one_token = ABSORB_GEMV and q_nope.is_cuda and q_nope.shape[0] == 1
-        if kv_b_lora is not None:
+        q_gemv = one_token and gemv_per_head_fits(q_nope[0], w_uk.transpose(1, 2), q_lat[0])
+        o_gemv = one_token and gemv_per_head_fits(q_lat[0], w_uv, out[0])  # o_lat: q_lat's shape
+        q_lora = o_lora = None
+        if kv_b_lora is not None and q_gemv and o_gemv and lora_apply.ONE_TOKEN_LORA_IN_GEMV:
+            q_lora, o_lora = one_token_kv_b_lora(kv_b_lora, lora, self.num_heads, self.nope_dim)
+            if not (q_lora.fits(*w_uk.transpose(1, 2).shape) and o_lora.fits(*w_uv.shape)):
+                q_lora = o_lora = None
+        if kv_b_lora is not None and q_lora is None:
             # kv_b's LoRA correction first, the absorbed product added onto it: the
             # correction's launch then follows a Triton kernel (the latent-cache write),
             # whose run its weight reads overlap (PDL; kernels.mla_lora "prefetch").
             set_kv_b_absorbed_q(q_nope, q_lat, kv_b_lora, lora)
             q_lat.transpose(0, 1).baddbmm_(q_nope.transpose(0, 1), w_uk)  # [D, H, C]
-        elif one_token and gemv_per_head_fits(q_nope[0], w_uk.transpose(1, 2), q_lat[0]):
-            gemv_per_head(q_nope[0], w_uk.transpose(1, 2), q_lat[0])  # [H, C]
+        elif q_gemv:
+            gemv_per_head(q_nope[0], w_uk.transpose(1, 2), q_lat[0], q_lora)  # [H, C]
         else:
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))  # [D, H, C]
         n = batch.num_decode_seqs
@@ -145,11 +158,11 @@ class MLAAttention(nn.Module):
         )  # [D, H, C]
         # The output correction after the product: before it, its weight reads found no
         # room beside the attention (prefetch measured slower there; docs/benchmarks.md).
-        if one_token and gemv_per_head_fits(o_lat[0], w_uv, out[0]):
-            gemv_per_head(o_lat[0], w_uv, out[0])  # [H, v]
+        if o_gemv:
+            gemv_per_head(o_lat[0], w_uv, out[0], o_lora)  # [H, v]
         else:
             torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-        if kv_b_lora is not None:
+        if kv_b_lora is not None and o_lora is None:
             add_kv_b_absorbed_o(o_lat, out, kv_b_lora, lora)
 
     def _prefill(self, q_nope, q_rope, batch: BatchMetadata, kv_pool, out: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from inference_svc.layers.streams import lora_side_stream
+from kernels.gemv import GemvLora, gemv_lora_shrink
 from kernels.lora_segments import LoraSegments
 from kernels.mla_lora import (
     mla_kv_b_lora_o,
@@ -125,6 +126,54 @@ def finish_linear_lora(
     if pending.stream is not None:
         torch.cuda.current_stream(out.device).wait_stream(pending.stream)
     sgmv_expand(pending.y, weights.b, out, pending.segments, slice_offsets)
+
+
+# A one-token step's linears and absorbed kv_b products run in kernels.gemv with their LoRA:
+# a linear's shrink is a GEMV launched just before its product, whose epilogue adds the
+# expand; kv_b's corrections ride in the per-head products' epilogues. False: cuBLAS with
+# the shrink on the side stream, the expand and the corrections as their own launches.
+ONE_TOKEN_LORA_IN_GEMV = True
+
+
+def one_token_linear_lora(
+    x: Tensor,
+    weights: LoraWeights,
+    segs: LoraSegments,
+    slice_offsets: Sequence[int],
+    norm_weight: Tensor | None = None,
+    eps: float = 0.0,
+    gated: bool = False,
+) -> GemvLora:
+    """The LoRA of a linear whose one-token product runs in `kernels.gemv`: launches the
+    shrink (y = A[slot] · x̂, x̂ normed or gated as the product forms it) and returns the
+    expand for the product's epilogue. Issued right before the product, so the product's
+    weight reads overlap the shrink (PDL).
+    Args: x [1, in]; slice_offsets: S+1 column offsets of the stacked slices.
+    """
+    segs.require_tokens(1)
+    y = gemv_lora_shrink(
+        x, weights.a, segs.token_slot, weights.rank, len(slice_offsets) - 1, norm_weight, eps, gated
+    )
+    return GemvLora(
+        segs.token_slot, weights.rank, weights.b.unsqueeze(1), y=y,
+        slice_offsets=tuple(slice_offsets[1:-1]),
+    )  # fmt: skip
+
+
+def one_token_kv_b_lora(
+    weights: LoraWeights, segs: LoraSegments, num_heads: int, nope_dim: int
+) -> tuple[GemvLora, GemvLora]:
+    """kv_b's absorbed corrections of one decode token as the per-head products' epilogues
+    (`kernels.gemv.gemv_per_head`), for q_lat = q_nope · W_UK and out = o_lat · W_UVᵀ:
+
+        q_lat[h] += (q_nope[h] · B_k[s, h]) · A[s],   out[h] += B_v[s, h] · (A[s] · o_lat[h])
+
+    A [S, R, C], B [S, H·(n+v), R] (`set_kv_b_absorbed_q`, `add_kv_b_absorbed_o`)."""
+    b_heads = weights.b.unflatten(1, (num_heads, -1))  # [S, H, n+v, R]
+    a_cols = weights.a.transpose(1, 2).unsqueeze(1)  # [S, 1, C, R]
+    q = GemvLora(segs.token_slot, weights.rank, a_cols, u_weight=b_heads[:, :, :nope_dim])
+    o = GemvLora(segs.token_slot, weights.rank, b_heads[:, :, nope_dim:], u_weight=a_cols)
+    return q, o
 
 
 def set_kv_b_absorbed_q(

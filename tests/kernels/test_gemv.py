@@ -8,11 +8,23 @@ previous kernel, so only x may wait: the chain checks x is never read early).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from kernels.fused_moe import silu_mul, silu_mul_ref
-from kernels.gemv import MAX_K, gemv, gemv_fits, gemv_per_head, gemv_per_head_fits
+from kernels.gemv import (
+    MAX_K,
+    GemvLora,
+    gemv,
+    gemv_fits,
+    gemv_lora_shrink,
+    gemv_per_head,
+    gemv_per_head_fits,
+)
+from kernels.lora_segments import build_lora_segments
+from kernels.mla_lora import mla_kv_b_lora_o_ref, mla_kv_b_lora_q_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
 
 
@@ -222,3 +234,185 @@ def test_chain_in_a_graph_reads_each_predecessor_output() -> None:
         out = chain(gemv, rms_norm, static_x)
     graph.replay()
     torch.testing.assert_close(out.float(), expected.float(), rtol=3e-2, atol=3e-2)
+
+
+def _poisoned_pool(
+    gen: torch.Generator, slots: int, rows: int, cols: int, rank_dim: int, rank: int, dtype
+) -> torch.Tensor:
+    """[slots, rows, cols] random, NaN along `rank_dim` (1 or 2) from `rank` on: a kernel
+    that reads past a slot's rank puts NaN in its result."""
+    w = torch.randn(slots, rows, cols, generator=gen) / cols**0.5
+    w.narrow(rank_dim, rank, w.shape[rank_dim] - rank).fill_(float("nan"))
+    return w.to(dtype)
+
+
+def _linear_lora_expected(x, w, a, b, slot, rank, slice_offsets):  # type: ignore[no-untyped-def]
+    """x̂ @ Wᵀ + Σ_i (x̂ @ A_iᵀ) @ B_iᵀ in float64, slice i of rank `rank`."""
+    out = x.double() @ w.double().T
+    if slot < 0 or rank == 0:
+        return out
+    pool_rank = b.shape[2]
+    bounds = [0, *slice_offsets, w.shape[0]]
+    for i in range(len(bounds) - 1):
+        a_i = a[slot, i * pool_rank : i * pool_rank + rank].double()
+        b_i = b[slot, bounds[i] : bounds[i + 1], :rank].double()
+        out[:, bounds[i] : bounds[i + 1]] += (x.double() @ a_i.T) @ b_i.T
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "slot, rank, sizes, how",
+    [
+        (2, 5, (37, 20), "plain"),  # qkv_a's two unequal slices, a rank below the pool's
+        (1, 16, (70,), "norm"),  # q_b: full pool rank, the q_a norm fused
+        (0, 3, (29,), "gated"),  # a down projection: silu·mul fused
+        (-1, 0, (37, 20), "plain"),  # the base model's token: nothing added
+        (2, 0, (37,), "plain"),  # an adapter that does not target the module
+    ],
+)
+def test_one_token_linear_lora_equals_the_base_plus_each_slice_delta(
+    slot: int, rank: int, sizes: tuple[int, ...], how: str, dtype: torch.dtype
+) -> None:
+    """gemv_lora_shrink then gemv with the expand in its epilogue: x̂ Wᵀ + Σ_i (x̂ A_iᵀ) B_iᵀ
+    over the slices, reading only the slot's first `rank` rank rows/columns (NaN past
+    them), and the shrink's y is zero past the rank."""
+    gen = torch.Generator().manual_seed(sum(sizes) + rank + 7 * slot)
+    k_dim, pool_rank, slots = 45, 16, 3
+    n_dim = sum(sizes)
+    x = (torch.randn(1, 2 * k_dim if how == "gated" else k_dim, generator=gen) * 2).to(dtype)
+    w = (torch.randn(n_dim, k_dim, generator=gen) / k_dim**0.5).to(dtype)
+    a = torch.full((slots, len(sizes) * pool_rank, k_dim), float("nan"), dtype=dtype)
+    for i in range(len(sizes)):  # each slice's first `rank` rows are real, the rest NaN
+        rows = a[:, i * pool_rank : i * pool_rank + rank]
+        rows.copy_(torch.randn(rows.shape, generator=gen).to(dtype) / k_dim**0.5)
+    b = _poisoned_pool(gen, slots, n_dim, pool_rank, 2, max(rank, 1), dtype)
+    ranks = torch.tensor([rank, rank, rank], dtype=torch.int32)
+    token_slot = torch.tensor([slot], dtype=torch.int32)
+    norm = {}
+    x_hat = x
+    if how == "norm":
+        norm_w = (1 + 0.1 * torch.randn(k_dim, generator=gen)).to(dtype)
+        norm = {"norm_weight": norm_w, "eps": 1e-6}
+        x_hat = rms_norm_ref(x, norm_w, 1e-6)
+    elif how == "gated":
+        norm = {"gated": True}
+        x_hat = silu_mul_ref(x)
+    y = gemv_lora_shrink(x, a, token_slot, ranks, len(sizes), **norm)
+    offsets = tuple(itertools.accumulate(sizes))[:-1]
+    lora = GemvLora(token_slot, ranks, b.unsqueeze(1), y=y, slice_offsets=offsets)
+    out = gemv(x, w, **norm, lora=lora)
+    expected = _linear_lora_expected(x_hat, w, a, b, slot, rank, offsets)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(out.double(), expected.to(dtype).double(), rtol=tol, atol=tol)
+    assert torch.isfinite(y).all()
+    for i in range(len(sizes)):
+        assert (y[0, i * pool_rank + rank : (i + 1) * pool_rank] == 0).all()
+    if rank and slot >= 0:  # the delta mattered
+        assert not torch.allclose(out, gemv(x, w, **norm), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("slot, rank", [(1, 16), (0, 5), (-1, 0)])
+def test_per_head_absorbed_kv_b_lora_equals_the_correction_references(
+    slot: int, rank: int, dtype: torch.dtype
+) -> None:
+    """The one-token absorptions with kv_b's LoRA in the epilogue: q_lat[h] = q_nope[h] W_UK[h]
+    + (q_nope[h] · B_k[s, h]) · A[s] and out[h] = W_UV[h] o_lat[h] + B_v[s, h] · (A[s] ·
+    o_lat[h]), as kernels.mla_lora's references compute them (5 heads, odd widths, NaN past
+    the rank in the pool)."""
+    gen = torch.Generator().manual_seed(rank * 3 + slot)
+    heads, nope, rope_dim, v_dim, c, pool_rank, slots = 5, 24, 8, 20, 40, 16, 2
+    kv_b = (torch.randn(heads, nope + v_dim, c, generator=gen) / c**0.5).to(dtype)
+    w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
+    a = _poisoned_pool(gen, slots, pool_rank, c, 1, max(rank, 1), dtype)  # [S, R, C]
+    b = _poisoned_pool(gen, slots, heads * (nope + v_dim), pool_rank, 2, max(rank, 1), dtype)
+    ranks = torch.tensor([rank, rank], dtype=torch.int32)
+    segs = build_lora_segments([slot], ranks)
+    token_slot = segs.token_slot
+    q = torch.randn(1, heads, nope + rope_dim, generator=gen).to(dtype)
+    q_nope = q[0, :, :nope]
+    b_heads = b.unflatten(1, (heads, nope + v_dim))  # [S, H, n+v, R]
+    a_cols = a.transpose(1, 2).unsqueeze(1)  # [S, 1, C, R]
+    q_lora = GemvLora(token_slot, ranks, a_cols, u_weight=b_heads[:, :, :nope])
+    q_lat = torch.full((heads, c), float("nan"), dtype=dtype)
+    gemv_per_head(q_nope, w_uk.transpose(1, 2), q_lat, q_lora)
+    expected = torch.bmm(q_nope.double().unsqueeze(1), w_uk.double()).squeeze(1)
+    correction = torch.zeros(1, heads, c, dtype=torch.float64)
+    mla_kv_b_lora_q_ref(q_nope.double()[None], correction, a.double(), b.double(), segs)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(q_lat.double(), expected + correction[0], rtol=tol, atol=tol)
+
+    o_lat = torch.randn(heads, c, generator=gen).to(dtype)
+    o_lora = GemvLora(token_slot, ranks, b_heads[:, :, nope:], u_weight=a_cols)
+    out = torch.full((2, heads, v_dim), float("nan"), dtype=dtype)[0]
+    gemv_per_head(o_lat, w_uv, out, o_lora)
+    expected = torch.bmm(o_lat.double().unsqueeze(1), w_uv.double().transpose(1, 2))
+    mla_kv_b_lora_o_ref(
+        o_lat.double()[None], expected.transpose(0, 1), a.double(), b.double(), segs
+    )
+    torch.testing.assert_close(out.double(), expected.squeeze(1), rtol=tol, atol=tol)
+    if rank and slot >= 0:
+        assert correction.abs().max() > 10 * tol  # the corrections mattered
+
+
+def test_lora_of_another_shape_is_refused() -> None:
+    x, w = torch.randn(1, 32), torch.randn(8, 32)
+    ranks, token_slot = torch.tensor([4], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    y = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv(x, w, lora=GemvLora(token_slot, ranks, torch.randn(1, 1, 9, 4), y=y))
+    with pytest.raises(ValueError, match="exactly one of"):
+        GemvLora(token_slot, ranks, torch.randn(1, 1, 8, 4))
+    with pytest.raises(ValueError, match="does not fit"):  # two slices need y of 2·R
+        gemv(
+            x, w, lora=GemvLora(token_slot, ranks, torch.randn(1, 1, 8, 4), y=y, slice_offsets=(3,))
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slot_rank", [16, 8])
+def test_v2_lite_one_token_lora_on_the_gpu(slot_rank: int) -> None:
+    """bf16, V2-Lite shapes, a rank-16 pool: qkv_a's two slices through the shrink GEMV and
+    the epilogue, and kv_b's absorbed corrections in the 16-head products, against float64
+    products of the same bf16 operands."""
+    torch.manual_seed(slot_rank)
+    dev, bf16, pool_rank, slot = "cuda", torch.bfloat16, 16, 2
+    ranks = torch.full((4,), slot_rank, dtype=torch.int32, device=dev)
+    token_slot = torch.tensor([slot], dtype=torch.int32, device=dev)
+    x = torch.randn(1, 2048, device=dev).to(bf16)
+    w = (torch.randn(2112, 2048, device=dev) / 45).to(bf16)
+    a = (torch.randn(4, 2 * pool_rank, 2048, device=dev) / 45).to(bf16)
+    b = torch.randn(4, 2112, pool_rank, device=dev).to(bf16)
+    for i in range(2):  # a pool holds zeros past a slot's rank
+        a[:, i * pool_rank + slot_rank : (i + 1) * pool_rank] = 0
+    b[:, :, slot_rank:] = 0
+    y = gemv_lora_shrink(x, a, token_slot, ranks, 2)
+    out = gemv(x, w, lora=GemvLora(token_slot, ranks, b.unsqueeze(1), y=y, slice_offsets=(1536,)))
+    expected = _linear_lora_expected(x, w, a, b, slot, slot_rank, (1536,))
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+    heads, nope, v_dim, c = 16, 128, 128, 512
+    kv_b = (torch.randn(heads, nope + v_dim, c, device=dev) / c**0.5).to(bf16)
+    a_kv = (torch.randn(4, pool_rank, c, device=dev) / c**0.5).to(bf16)
+    b_kv = torch.randn(4, heads * (nope + v_dim), pool_rank, device=dev).to(bf16) / 4
+    a_kv[:, slot_rank:] = 0
+    b_kv[:, :, slot_rank:] = 0
+    segs = build_lora_segments([slot], ranks, device=dev)
+    b_heads, a_cols = b_kv.unflatten(1, (heads, -1)), a_kv.transpose(1, 2).unsqueeze(1)
+    q_nope = torch.randn(1, heads, nope + 64, device=dev).to(bf16)[0, :, :nope]
+    q_lat = torch.empty(heads, c, device=dev, dtype=bf16)
+    lora = GemvLora(segs.token_slot, ranks, a_cols, u_weight=b_heads[:, :, :nope])
+    gemv_per_head(q_nope, kv_b[:, :nope].transpose(1, 2), q_lat, lora)
+    expected = torch.bmm(q_nope.double().unsqueeze(1), kv_b[:, :nope].double()).transpose(0, 1)
+    mla_kv_b_lora_q_ref(q_nope.double()[None], expected, a_kv.double(), b_kv.double(), segs)
+    torch.testing.assert_close(q_lat.double(), expected[0], rtol=2e-2, atol=2e-2)
+    o_lat, out = torch.randn(heads, c, device=dev).to(bf16), torch.empty(heads, v_dim, device=dev)
+    out = out.to(bf16)
+    lora = GemvLora(segs.token_slot, ranks, b_heads[:, :, nope:], u_weight=a_cols)
+    gemv_per_head(o_lat, kv_b[:, nope:], out, lora)
+    expected = torch.bmm(o_lat.double().unsqueeze(1), kv_b[:, nope:].double().transpose(1, 2))
+    mla_kv_b_lora_o_ref(
+        o_lat.double()[None], expected.transpose(0, 1), a_kv.double(), b_kv.double(), segs
+    )
+    torch.testing.assert_close(out.double(), expected.squeeze(1), rtol=2e-2, atol=2e-2)

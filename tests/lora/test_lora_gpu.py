@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fixtures.tiny_models import build_tiny_model
 from tests.lora.harness import (
     Scenario,
     Seq,
     make_runner,
+    max_logprob_diff,
+    oracle_logprobs,
     peft_case,
     random_tokens,
 )
@@ -19,6 +22,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 SPEC = "v3_q_lora"
+# How much further from the oracle the one-token gemv path may be than the cuBLAS path, in
+# float32 on the GPU: a reduction order's worth, well below an adapter's effect (> 0.05).
+GPU_FP32_SLACK = 1e-3
 
 
 def _adapted_runner(folder, dtype, cuda_graph_sizes=()):
@@ -139,3 +145,53 @@ def test_moe_lora_in_the_gemm_epilogue_equals_the_kernels_after_it(
     Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)]).run([4, 5, 3, 6, 2])
     assert len(diffs) > 10 and max(effects) > 0.1  # the adapters act on the routed experts
     assert max(diffs) <= tol, f"epilogue vs after, relative: {max(diffs):.2e}"
+
+
+@pytest.mark.parametrize("graphs", [(), (1,)], ids=["eager", "graphs"])
+def test_one_token_lora_in_the_gemv_equals_peft(tiny_model_dirs, monkeypatch, graphs):
+    """A sequence decoding alone (one token a step) runs kernels.gemv with its LoRA: each
+    linear's shrink as a GEMV and its expand in the product's epilogue, kv_b's corrections
+    in the per-head products. Its float32 logprobs are as close to transformers+peft's as
+    those of cuBLAS with the separate LoRA kernels (ONE_TOKEN_LORA_IN_GEMV False), for an
+    adapter at the pool's rank (slot 1), one of rank 4 in the rank-16 pool (slot 3) and the
+    base. Both sit ~3e-3 from the CPU oracle, the base model too (H100, fp32 CUDA kernels),
+    while each adapter moves its logprobs by more than 0.05 (a lost delta shows)."""
+    from inference_svc.layers import linear, mla
+    from inference_svc.lora import apply
+
+    calls = {"linear": 0, "kv_b": 0}
+
+    def counted(name, launcher):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return launcher(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(
+        linear, "one_token_linear_lora", counted("linear", linear.one_token_linear_lora)
+    )
+    monkeypatch.setattr(mla, "one_token_kv_b_lora", counted("kv_b", mla.one_token_kv_b_lora))
+    tokens = random_tokens([9, 8, 7], seed=27)
+    diffs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(apply, "ONE_TOKEN_LORA_IN_GEMV", fused)
+        runner, peft_models = _adapted_runner(tiny_model_dirs[SPEC], torch.float32, graphs)
+        oracles = {1: peft_models[1], 3: peft_models[0], -1: build_tiny_model(SPEC)}
+        for seq_tokens, slot in zip(tokens, (1, 3, -1), strict=True):
+            scenario = Scenario(runner, [Seq(seq_tokens, slot)])
+            scenario.run([5])
+            expected = oracle_logprobs(oracles[slot], seq_tokens)
+            diffs[fused, slot] = max_logprob_diff(scenario.seqs[0], expected)
+            if slot >= 0 and fused:
+                base = oracle_logprobs(oracles[-1], seq_tokens)
+                assert (expected - base).abs().max() > 0.05
+        if fused:
+            assert calls["linear"] > 0 and calls["kv_b"] > 0, calls
+            calls_fused = dict(calls)
+    assert calls == calls_fused  # the cuBLAS run took none of them
+    report = ", ".join(
+        f"{'gemv' if f else 'cuBLAS'} slot {s}: {d:.1e}" for (f, s), d in diffs.items()
+    )
+    for slot in (1, 3, -1):
+        assert diffs[True, slot] <= diffs[False, slot] + GPU_FP32_SLACK, report
