@@ -147,35 +147,46 @@ def test_moe_lora_in_the_gemm_epilogue_equals_the_kernels_after_it(
     assert max(diffs) <= tol, f"epilogue vs after, relative: {max(diffs):.2e}"
 
 
+@pytest.mark.parametrize("o_tile", [None, 256], ids=["kv_b_both", "kv_b_o_separate"])
 @pytest.mark.parametrize("graphs", [(), (1,)], ids=["eager", "graphs"])
-def test_one_token_lora_in_the_gemv_equals_peft(tiny_model_dirs, monkeypatch, graphs):
+def test_one_token_lora_in_the_gemv_equals_peft(tiny_model_dirs, monkeypatch, graphs, o_tile):
     """A sequence decoding alone (one token a step) runs kernels.gemv with its LoRA: each
     linear's shrink as a GEMV and its expand in the product's epilogue, kv_b's corrections
     in the per-head products. Its float32 logprobs are as close to transformers+peft's as
     those of cuBLAS with the separate LoRA kernels (ONE_TOKEN_LORA_IN_GEMV False), for an
     adapter at the pool's rank (slot 1), one of rank 4 in the rank-16 pool (slot 3) and the
     base. Both sit ~3e-3 from the CPU oracle, the base model too (H100, fp32 CUDA kernels),
-    while each adapter moves its logprobs by more than 0.05 (a lost delta shows)."""
+    while each adapter moves its logprobs by more than 0.05 (a lost delta shows).
+    "kv_b_o_separate": the o-side correction's tile does not fit the GEMV (as at pool rank
+    64), so it runs as its own launch while the q side stays in the GEMV."""
     from inference_svc.layers import linear, mla
     from inference_svc.lora import apply
+    from kernels import gemv
 
-    calls = {"linear": 0, "kv_b": 0}
+    if o_tile is not None:  # the tiny model's q-side tile is 16 × 16, its o-side 32 × 16
+        monkeypatch.setattr(gemv, "LORA_TILE_ELEMENTS", o_tile)
+
+    calls: dict[str, int] = {}
 
     def counted(name, launcher):  # type: ignore[no-untyped-def]
         def run(*args, **kwargs):  # type: ignore[no-untyped-def]
-            calls[name] += 1
+            calls[name] = calls.get(name, 0) + 1
             return launcher(*args, **kwargs)
 
         return run
 
-    monkeypatch.setattr(
-        linear, "one_token_linear_lora", counted("linear", linear.one_token_linear_lora)
-    )
-    monkeypatch.setattr(mla, "one_token_kv_b_lora", counted("kv_b", mla.one_token_kv_b_lora))
+    for module, name in (
+        (linear, "one_token_linear_lora"),
+        (mla, "one_token_kv_b_lora"),
+        (mla, "set_kv_b_absorbed_q"),
+        (mla, "add_kv_b_absorbed_o"),
+    ):
+        monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
     tokens = random_tokens([9, 8, 7], seed=27)
-    diffs = {}
+    diffs, calls_by_run = {}, {}
     for fused in (True, False):
         monkeypatch.setattr(apply, "ONE_TOKEN_LORA_IN_GEMV", fused)
+        calls.clear()
         runner, peft_models = _adapted_runner(tiny_model_dirs[SPEC], torch.float32, graphs)
         oracles = {1: peft_models[1], 3: peft_models[0], -1: build_tiny_model(SPEC)}
         for seq_tokens, slot in zip(tokens, (1, 3, -1), strict=True):
@@ -186,10 +197,13 @@ def test_one_token_lora_in_the_gemv_equals_peft(tiny_model_dirs, monkeypatch, gr
             if slot >= 0 and fused:
                 base = oracle_logprobs(oracles[-1], seq_tokens)
                 assert (expected - base).abs().max() > 0.05
-        if fused:
-            assert calls["linear"] > 0 and calls["kv_b"] > 0, calls
-            calls_fused = dict(calls)
-    assert calls == calls_fused  # the cuBLAS run took none of them
+        calls_by_run[fused] = dict(calls)
+    fused_calls, separate_calls = calls_by_run[True], calls_by_run[False]
+    assert fused_calls.get("one_token_linear_lora", 0) > 0, fused_calls
+    assert fused_calls.get("set_kv_b_absorbed_q", 0) == 0, fused_calls  # the q side in the GEMV
+    assert (fused_calls.get("add_kv_b_absorbed_o", 0) > 0) == (o_tile is not None), fused_calls
+    assert "one_token_linear_lora" not in separate_calls, separate_calls
+    assert separate_calls.get("set_kv_b_absorbed_q", 0) > 0, separate_calls
     report = ", ".join(
         f"{'gemv' if f else 'cuBLAS'} slot {s}: {d:.1e}" for (f, s), d in diffs.items()
     )
