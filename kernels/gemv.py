@@ -189,8 +189,12 @@ class GemvLora:
         v_ok = self.v.dim() == 4 and self.v.shape[1] in (1, batch) and self.v.shape[2] == n_dim
         if self.y is not None:
             slices = len(self.slice_offsets) + 1
+            y = self.y
             return (
-                v_ok and self.y.dtype == torch.float32 and self.y.shape == (1, slices * self.rank)
+                v_ok
+                and y.dtype == torch.float32
+                and y.shape == (1, slices * self.rank)
+                and y.is_contiguous()
             )
         u = self.u_weight
         assert u is not None
