@@ -65,20 +65,28 @@ def _shrink_item(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STACKED: tl.constexpr,
     ATOMIC_SEM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """y[seg's tokens, slice/rank block pid_sr] (+)= x[:, k_lo:k_lo+k_len] · A[slot]ᵀ."""
+    """y[seg's tokens, slice/rank block pid_sr] (+)= x[:, k_lo:k_lo+k_len] · A[slot]ᵀ.
+    STACKED: 0, or the S slices whose S·R rows one tile holds (pid_sr is 0; row j of A is
+    rank j % R of its slice)."""
     slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
-    rank_blocks = tl.cdiv(R, BLOCK_R)
-    slice_idx = pid_sr // rank_blocks
-    r_start = (pid_sr % rank_blocks) * BLOCK_R
+    if STACKED:
+        rows = tl.arange(0, BLOCK_R)  # [r]: all S·R rows of A, y's columns alike
+        mask_r = (rows < STACKED * R) & (rows % R < rank)
+        r_start = 0
+    else:
+        rank_blocks = tl.cdiv(R, BLOCK_R)
+        r_start = (pid_sr % rank_blocks) * BLOCK_R
+        offs_r = r_start + tl.arange(0, BLOCK_R)
+        rows = (pid_sr // rank_blocks) * R + offs_r
+        mask_r = offs_r < rank
     if r_start < rank:
         offs_t = t_start + tl.arange(0, BLOCK_T)
         mask_t = offs_t < t_end
-        offs_r = r_start + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        a_rows = a_ptr + slot.to(tl.int64) * stride_as + (slice_idx * R + offs_r) * stride_ar
+        a_rows = a_ptr + slot.to(tl.int64) * stride_as + rows * stride_ar
         acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)  # [t, r]
         for k in range(k_lo, k_lo + k_len, BLOCK_K):
             offs_k = k + tl.arange(0, BLOCK_K)
@@ -94,7 +102,7 @@ def _shrink_item(
                 other=0.0,
             )  # [k, r]
             acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
-        y_ptrs = y_ptr + offs_t[:, None] * stride_yt + (slice_idx * R + offs_r)[None, :] * stride_yr
+        y_ptrs = y_ptr + offs_t[:, None] * stride_yt + rows[None, :] * stride_yr
         y_mask = mask_t[:, None] & mask_r[None, :]
         if atomic:
             tl.atomic_add(y_ptrs, acc, mask=y_mask, sem=ATOMIC_SEM)
@@ -124,6 +132,7 @@ def _sgmv_shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ATOMIC: tl.constexpr,
+    STACKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """v1: one program per (segment, slice/rank block, K split), split planned on the host
@@ -153,6 +162,7 @@ def _sgmv_shrink_kernel(
         BLOCK_T,
         BLOCK_R,
         BLOCK_K,
+        STACKED,
         "acq_rel",
         DOT_PRECISION,
     )
@@ -181,6 +191,7 @@ def _sgmv_shrink_planned_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STACKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """planned: a fixed grid walks (live segment, slice/rank block, K split) items; the split
@@ -217,6 +228,7 @@ def _sgmv_shrink_planned_kernel(
             BLOCK_T,
             BLOCK_R,
             BLOCK_K,
+            STACKED,
             "relaxed",
             DOT_PRECISION,
         )
@@ -398,6 +410,20 @@ def rank_block(pool_rank: int) -> int:
     return min(max(next_power_of_2(pool_rank), 16), 64)
 
 
+# Widest shrink tile that takes every stacked slice at once (tl.dot's N ≤ 64 here).
+STACKED_MAX_ROWS = 64
+
+
+def shrink_rank_tile(num_slices: int, pool_rank: int) -> tuple[int, int]:
+    """(BLOCK_R, STACKED) of a shrink: the S·R rows of a stacked module (qkv_a, gate_up) in
+    one tile where they fit STACKED_MAX_ROWS (STACKED = S: half the items of one tile per
+    slice, each as long), else per slice (`rank_block`, STACKED 0)."""
+    rows = num_slices * pool_rank
+    if num_slices > 1 and rows <= STACKED_MAX_ROWS:
+        return max(16, next_power_of_2(rows)), num_slices
+    return rank_block(pool_rank), 0
+
+
 @dataclass(frozen=True)
 class SgmvVariant:
     """How a launcher maps the work onto programs (see docs/kernel_notes.md).
@@ -519,14 +545,15 @@ def sgmv_shrink(
         if zero_unused:
             out.zero_()
         return out
-    block_r = rank_block(pool_rank)
-    rank_programs = num_slices * cdiv(pool_rank, block_r)
+    block_r, stacked = shrink_rank_tile(num_slices, pool_rank)
+    rank_programs = 1 if stacked else num_slices * cdiv(pool_rank, block_r)
     grid_segments = segs.grid_segments()
     meta = (segs.seg_indptr, segs.seg_slot, segs.slot_rank)
     strides = (*x.stride(), *A.stride(), *out.stride())
     common = {
         "BLOCK_T": segs.max_seg_len,
         "BLOCK_R": block_r,
+        "STACKED": stacked,
         "DOT_PRECISION": dot_precision(x.dtype),
     }
     if not plan.planned:

@@ -31,6 +31,7 @@ from kernels.sgmv import (
     sgmv_expand_ref,
     sgmv_shrink,
     sgmv_shrink_ref,
+    shrink_rank_tile,
 )
 from tests.kernels.lora_cases import (
     POPULARITIES,
@@ -157,9 +158,9 @@ def test_kernels_never_read_past_a_slot_rank(variants) -> None:  # type: ignore[
 @pytest.mark.parametrize("variant", list(SHRINK_VARIANTS))
 @pytest.mark.parametrize(
     ("popularity", "num_tokens"),
-    # The CPU has 1 "SM": the default planned shrink aims at 8 items. 60 distinct one-token
-    # segments × 2 slices store once each (no memset); one adapter's 10 tokens (1 segment ×
-    # 2 slices) split K=300 and add partial sums into zeros.
+    # The CPU has 1 "SM": the default planned shrink aims at 8 items. The 60 tokens' 6
+    # segments (both slices in one tile) store once each (no memset); one adapter's 10
+    # tokens (1 segment) split K=300 and add partial sums into zeros.
     [("distinct", 60), ("identical", 10)],
 )
 def test_shrink_without_zeroing_leaves_only_unread_entries_unset(
@@ -177,11 +178,12 @@ def test_shrink_without_zeroing_leaves_only_unread_entries_unset(
     assert (~live).any()
     assert_close(y[live], y_ref[live], torch.float32)
     plan = SHRINK_VARIANTS[variant]
+    rank_programs = 1 if shrink_rank_tile(2, 16)[1] else 2  # qkv_a's slices in one tile
     if plan.planned:
         target = plan.programs_per_sm  # × 1 SM
-        split = planned_split(segs.num_live_segments * 2, target, cdiv(300, plan.block))
+        split = planned_split(segs.num_live_segments * rank_programs, target, cdiv(300, plan.block))
     else:
-        split = plan_split_k(300, segs.num_live_segments * 2)[2]
+        split = plan_split_k(300, segs.num_live_segments * rank_programs)[2]
     if variant == "planned":  # both paths covered by the default variant
         assert split == (1 if popularity == "distinct" else 3)
     unread = y[~live]
@@ -322,3 +324,19 @@ def test_cuda_graph_replay_with_other_segments_than_at_capture(variants, capture
         [0, hidden],
     )
     assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("pool_rank", [12, 20, 40])
+def test_stacked_slices_with_padding_rows_read_and_write_only_their_own(pool_rank) -> None:  # type: ignore[no-untyped-def]
+    """Two slices of a pool rank whose S·R (24, 40) is not a power of two share one shrink
+    tile of 32 / 64 rows: the padding rows must neither read the next slot's A nor write
+    past y's S·R columns (y is one buffer, so a stray column lands in the next token's row).
+    At 40 (S·R = 80) the slices take a tile each. NaN past each slot's rank in A."""
+    segs, x, A, B, out = sgmv_case("zipf", 29, 67, QKV_A_SLICES, pool_rank, torch.float32, 9,
+                                   poison=float("nan"))  # fmt: skip
+    assert shrink_rank_tile(2, pool_rank)[1] == (2 if pool_rank < 40 else 0)
+    y = sgmv_shrink(x, A, segs, 2)
+    assert_close(y, sgmv_shrink_ref(x, A, segs, 2), torch.float32)
+    got = sgmv_expand(y, B, out.clone(), segs, QKV_A_SLICES)
+    y_ref = sgmv_shrink_ref(x, A, segs, 2)
+    assert_close(got, sgmv_expand_ref(y_ref, B, out, segs, QKV_A_SLICES), torch.float32)
