@@ -330,31 +330,33 @@ def _launch(
     while block_n > 1 and batch * cdiv(n_dim, block_n) < MIN_PROGRAMS:
         block_n //= 2
     token_slot, slot_rank, rank = shrink if shrink is not None else (y, y, 1)
-    lora_args, lora_meta = _lora_args(lora, y)
     if lora is not None:
         token_slot, slot_rank, rank = lora.token_slot, lora.slot_rank, lora.rank
+    pointers, bounds_and_strides, lora_meta = _lora_args(lora, y)
     fast(_gemv_kernel)[(cdiv(n_dim, block_n), batch)](
         x, weight, y, x if norm_weight is None else norm_weight, n_dim, k_dim,
         x.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0), eps,
-        token_slot, slot_rank, *lora_args[:3], rank, *lora_args[3:],
+        token_slot, slot_rank, *pointers, rank, *bounds_and_strides,
         BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None, GATED=gated,
         SHRINK=shrink is not None, **lora_meta, num_warps=8,
     )  # fmt: skip
 
 
-def _lora_args(lora: GemvLora | None, y: Tensor) -> tuple[tuple, dict[str, int]]:
-    """The kernel's LoRA arguments (lora_y, u, v, slice_1, slice_2, u and v strides) and
-    constants; placeholders (y, never read) without LoRA."""
+def _lora_args(
+    lora: GemvLora | None, y: Tensor
+) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[int, ...], dict[str, int]]:
+    """The kernel's LoRA arguments: the pointers (lora_y, u, v), the slice bounds and u, v
+    strides, and the constants; placeholders (y, never read) without LoRA."""
     if lora is None:
         meta = {"LORA": NO_LORA.value, "BLOCK_R": 16, "RANK_ALIGN": 1}
-        return (y, y, y, N_BOUND, N_BOUND, *(0,) * 8), meta
+        return (y, y, y), (N_BOUND, N_BOUND, *(0,) * 8), meta
     bounds = (*lora.slice_offsets, N_BOUND, N_BOUND)[:2]
     u = lora.u_weight if lora.u_weight is not None else lora.v
     strides = (*_broadcast_strides(u), *_broadcast_strides(lora.v))
     lora_y = lora.y if lora.y is not None else lora.v
     mode = LORA_SHRUNK if lora.y is not None else LORA_ABSORBED
     meta = {"LORA": mode.value, "BLOCK_R": lora.block_r, "RANK_ALIGN": rank_alignment(lora.rank)}
-    return (lora_y, u, lora.v, *bounds, *strides), meta
+    return (lora_y, u, lora.v), (*bounds, *strides), meta
 
 
 def _broadcast_strides(w: Tensor) -> tuple[int, int, int, int]:
