@@ -1,4 +1,4 @@
-"""Whole-step LoRA overhead: decode step with 32 distinct rank-16 adapters vs no LoRA.
+"""Whole-step LoRA overhead: decode step with 32 distinct rank-16 (`--rank`) adapters vs no LoRA.
 
 A DeepSeek-V2-Lite-shaped model with random bf16 weights and `q_lora_rank` 1536 (so
 attn.qkv_a has its two unequal slices and attn.q_b exists), `--layers` decoder layers (default
@@ -164,12 +164,17 @@ def fill_pool(pool: LoraPool, num_adapters: int) -> None:
 
 
 def make_setup(
-    hf_config: dict[str, Any], device: str, context: int, batches: tuple[int, ...], graphs: bool
+    hf_config: dict[str, Any],
+    device: str,
+    context: int,
+    batches: tuple[int, ...],
+    graphs: bool,
+    rank: int = RANK,
 ) -> Setup:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = random_model(parse_config(hf_config), torch.device(device), dtype)
     shapes = model_lora_shapes(hf_config)
-    pool_config = LoraPoolConfig(RANK, dtype=dtype, device=device, max_loras=NUM_ADAPTERS)
+    pool_config = LoraPoolConfig(rank, dtype=dtype, device=device, max_loras=NUM_ADAPTERS)
     pool = LoraPool(shapes, NUM_ADAPTERS, pool_config)
     fill_pool(pool, NUM_ADAPTERS)
     # Enough for the largest decode batch and for the prefill step's sequences.
@@ -417,10 +422,11 @@ def run(
     profile: bool,
     prefill: bool,
     cases: list[tuple[int, int]] | None = None,
+    rank: int = RANK,
 ) -> None:
     start = time.perf_counter()
     batches = tuple(sorted({size for size, _ in cases})) if cases else BATCHES
-    setup = make_setup(v2_lite_config(layers), "cuda", context, batches, graphs=False)
+    setup = make_setup(v2_lite_config(layers), "cuda", context, batches, graphs=False, rank=rank)
     bandwidth = copy_bandwidth(torch.device("cuda"))
     cases = cases or default_cases(batches, setup.num_slots)
     measured = {}
@@ -444,7 +450,7 @@ def run(
         "model": "DeepSeek-V2-Lite shape, q_lora_rank 1536, random bf16 weights",
         "layers": layers,
         "context": context,
-        "rank": RANK,
+        "rank": rank,
         "num_adapters": NUM_ADAPTERS,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "variants": measured,
@@ -517,6 +523,7 @@ def main() -> None:
         help="decode cases BATCHxADAPTERS (default: batches 1 64 256, adapters "
         f"min(batch, {NUM_ADAPTERS}))",
     )
+    parser.add_argument("--rank", type=int, default=RANK, help="the adapters' (and pool's) rank")
     parser.add_argument(
         "--prefill",
         action="store_true",
@@ -534,6 +541,7 @@ def main() -> None:
             args.profile,
             args.prefill,
             args.cases,
+            args.rank,
         )
     else:
         parser.error("give --out or --smoke")
