@@ -64,6 +64,7 @@ def _gemv_kernel(
     stride_us, stride_ub, stride_uk, stride_ur, stride_vs, stride_vb, stride_vn, stride_vr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
     SHRINK: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr, RANK_ALIGN: tl.constexpr,
+    U_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """y[b, n-block] = Σ_k x̂[b, k] · W[b, n, k], float32 accumulation; x̂ = x, with NORM
     x's RMSNorm, with GATED silu(x[:K]) · x[K:2K], each rounded to x's dtype as the
@@ -74,7 +75,9 @@ def _gemv_kernel(
     zeros. LORA adds Σ_{r<rank} u[b, r] · V[s, b, n, r] before the store, u = y[slice(n)·R
     + r] (LORA_SHRUNK: a SHRINK launch wrote y) or Σ_k U[s, b, k, r] · x̂[b, k]
     (LORA_ABSORBED). Slot, rank, W, V and U are read before the wait: the step's first
-    kernel is preceded by the host copy of the slots, nothing in a step writes weights."""
+    kernel is preceded by the host copy of the slots, nothing in a step writes weights. A U
+    tile over LORA_TILE_ELEMENTS is read after it instead, U_CHUNK columns at a time (x is
+    then read again per piece: LORA_ABSORBED takes neither NORM nor GATED)."""
     batch = tl.program_id(1).to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -106,7 +109,7 @@ def _gemv_kernel(
             other=0.0,
         )  # fmt: skip
         v = tl.where(mask_r[:, None], v, 0.0)  # [r, n]
-    if LORA == LORA_ABSORBED:
+    if LORA == LORA_ABSORBED and U_CHUNK == BLOCK_K:  # the whole tile, before the wait
         u_w = tl.load(
             u_ptr + slot * stride_us + batch * stride_ub
             + offs_r[:, None] * stride_ur + offs_k[None, :] * stride_uk,
@@ -130,7 +133,21 @@ def _gemv_kernel(
         )  # [r, n]: each column's slice of the shrink's output
         y += tl.sum(v.to(tl.float32) * u.to(tl.float32), axis=0)
     if LORA == LORA_ABSORBED:
-        u = tl.sum(u_w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [r]
+        if U_CHUNK == BLOCK_K:
+            u = tl.sum(u_w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [r]
+        else:  # a tile too large to hold: [r, U_CHUNK] pieces after the wait
+            u = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for k0 in tl.static_range(0, BLOCK_K, U_CHUNK):
+                offs_c = k0 + tl.arange(0, U_CHUNK)
+                mask_c = offs_c < K
+                u_c = tl.load(
+                    u_ptr + slot * stride_us + batch * stride_ub
+                    + offs_r[:, None] * stride_ur + offs_c[None, :] * stride_uk,
+                    mask=mask_r[:, None] & mask_c[None, :],
+                    other=0.0,
+                )  # fmt: skip  # [r, c]
+                x_c = tl.load(x_ptr + batch * stride_xb + offs_c, mask=mask_c, other=0.0)
+                u += tl.sum(u_c.to(tl.float32) * x_c.to(tl.float32)[None, :], axis=1)
         y += tl.sum(v.to(tl.float32) * u[:, None], axis=0)
     tl.store(y_ptr + batch * stride_yb + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
@@ -184,8 +201,7 @@ class GemvLora:
         return self.v.shape[-1]
 
     def fits(self, batch: int, n_dim: int, k_dim: int) -> bool:
-        """Whether it describes a product of `batch` rows, N `n_dim`, K `k_dim` (and its
-        u weight tile stays within LORA_TILE_ELEMENTS)."""
+        """Whether it describes a product of `batch` rows, N `n_dim`, K `k_dim`."""
         v_ok = self.v.dim() == 4 and self.v.shape[1] in (1, batch) and self.v.shape[2] == n_dim
         if self.y is not None:
             slices = len(self.slice_offsets) + 1
@@ -199,11 +215,7 @@ class GemvLora:
         u = self.u_weight
         assert u is not None
         return (
-            v_ok
-            and u.dim() == 4
-            and u.shape[1] in (1, batch)
-            and u.shape[2:] == (k_dim, self.rank)
-            and next_power_of_2(max(k_dim, 16)) * self.block_r <= LORA_TILE_ELEMENTS
+            v_ok and u.dim() == 4 and u.shape[1] in (1, batch) and u.shape[2:] == (k_dim, self.rank)
         )
 
     @property
@@ -211,8 +223,9 @@ class GemvLora:
         return next_power_of_2(max(self.rank, 16))
 
 
-# Elements of the absorbed corrections' [K, R] u weight tile a program may hold beside its
-# weight tile (kv_b rank 16: 512 × 16; rank 64 takes the launches of kernels.mla_lora).
+# Elements of the absorbed corrections' [R, K] u weight tile a program holds beside its
+# weight tile, read before the PDL wait (kv_b at rank 16: 16 × 512). A larger one (rank 64:
+# 64 × 512) is read after the wait in pieces of this size.
 LORA_TILE_ELEMENTS = 8192
 
 
@@ -348,15 +361,29 @@ def _lora_args(
     """The kernel's LoRA arguments: the pointers (lora_y, u, v), the slice bounds and u, v
     strides, and the constants; placeholders (y, never read) without LoRA."""
     if lora is None:
-        meta = {"LORA": NO_LORA.value, "BLOCK_R": 16, "RANK_ALIGN": 1}
+        meta = {"LORA": NO_LORA.value, "BLOCK_R": 16, "RANK_ALIGN": 1, "U_CHUNK": 16}
         return (y, y, y), (N_BOUND, N_BOUND, *(0,) * 8), meta
     bounds = (*lora.slice_offsets, N_BOUND, N_BOUND)[:2]
     u = lora.u_weight if lora.u_weight is not None else lora.v
     strides = (*_broadcast_strides(u), *_broadcast_strides(lora.v))
     lora_y = lora.y if lora.y is not None else lora.v
     mode = LORA_SHRUNK if lora.y is not None else LORA_ABSORBED
-    meta = {"LORA": mode.value, "BLOCK_R": lora.block_r, "RANK_ALIGN": rank_alignment(lora.rank)}
+    meta = {
+        "LORA": mode.value,
+        "BLOCK_R": lora.block_r,
+        "RANK_ALIGN": rank_alignment(lora.rank),
+        "U_CHUNK": _u_chunk(u.shape[2], lora.block_r),
+    }
     return (lora_y, u, lora.v), (*bounds, *strides), meta
+
+
+def _u_chunk(k_dim: int, block_r: int) -> int:
+    """Columns of the u weight tile read at a time: all of them (before the wait) where the
+    tile fits LORA_TILE_ELEMENTS, else the widest power of two that does."""
+    block_k = next_power_of_2(max(k_dim, 16))
+    if block_k * block_r <= LORA_TILE_ELEMENTS:
+        return block_k
+    return max(16, LORA_TILE_ELEMENTS // block_r)
 
 
 def _broadcast_strides(w: Tensor) -> tuple[int, int, int, int]:

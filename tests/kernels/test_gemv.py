@@ -13,6 +13,7 @@ import itertools
 import pytest
 import torch
 
+from kernels import gemv as gemv_module
 from kernels.fused_moe import silu_mul, silu_mul_ref
 from kernels.gemv import (
     MAX_K,
@@ -312,15 +313,20 @@ def test_one_token_linear_lora_equals_the_base_plus_each_slice_delta(
         assert not torch.allclose(out, gemv(x, w, **norm), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("u_tile", [None, 256], ids=["whole_u_tile", "u_in_pieces"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("slot, rank", [(1, 16), (0, 5), (-1, 0)])
 def test_per_head_absorbed_kv_b_lora_equals_the_correction_references(
-    slot: int, rank: int, dtype: torch.dtype
+    slot: int, rank: int, dtype: torch.dtype, u_tile: int | None, monkeypatch
 ) -> None:
     """The one-token absorptions with kv_b's LoRA in the epilogue: q_lat[h] = q_nope[h] W_UK[h]
     + (q_nope[h] · B_k[s, h]) · A[s] and out[h] = W_UV[h] o_lat[h] + B_v[s, h] · (A[s] ·
     o_lat[h]), as kernels.mla_lora's references compute them (5 heads, odd widths, NaN past
-    the rank in the pool)."""
+    the rank in the pool). "u_in_pieces": the u weight tiles (16 × 32, 16 × 64) are over
+    the limit and read after the wait, 16 columns at a time (as rank 64's at C = 512)."""
+    if u_tile is not None:
+        monkeypatch.setattr(gemv_module, "LORA_TILE_ELEMENTS", u_tile)
+        assert gemv_module._u_chunk(40, 16) == 16
     gen = torch.Generator().manual_seed(rank * 3 + slot)
     heads, nope, rope_dim, v_dim, c, pool_rank, slots = 5, 24, 8, 20, 40, 16, 2
     kv_b = (torch.randn(heads, nope + v_dim, c, generator=gen) / c**0.5).to(dtype)
@@ -371,13 +377,14 @@ def test_lora_of_another_shape_is_refused() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("slot_rank", [16, 8])
-def test_v2_lite_one_token_lora_on_the_gpu(slot_rank: int) -> None:
-    """bf16, V2-Lite shapes, a rank-16 pool: qkv_a's two slices through the shrink GEMV and
-    the epilogue, and kv_b's absorbed corrections in the 16-head products, against float64
-    products of the same bf16 operands."""
+@pytest.mark.parametrize("pool_rank, slot_rank", [(16, 16), (16, 8), (64, 64), (64, 24)])
+def test_v2_lite_one_token_lora_on_the_gpu(pool_rank: int, slot_rank: int) -> None:
+    """bf16, V2-Lite shapes, rank-16 and rank-64 pools: qkv_a's two slices through the
+    shrink GEMV and the epilogue, and kv_b's absorbed corrections in the 16-head products
+    (at rank 64 the o side's u tile is read in pieces), against float64 products of the same
+    bf16 operands."""
     torch.manual_seed(slot_rank)
-    dev, bf16, pool_rank, slot = "cuda", torch.bfloat16, 16, 2
+    dev, bf16, slot = "cuda", torch.bfloat16, 2
     ranks = torch.full((4,), slot_rank, dtype=torch.int32, device=dev)
     token_slot = torch.tensor([slot], dtype=torch.int32, device=dev)
     x = torch.randn(1, 2048, device=dev).to(bf16)
