@@ -109,13 +109,10 @@ def _gemv_kernel(
             other=0.0,
         )  # fmt: skip
         v = tl.where(mask_r[:, None], v, 0.0)  # [r, n]
-    if LORA == LORA_ABSORBED and U_CHUNK == BLOCK_K:  # the whole tile, before the wait
-        u_w = tl.load(
-            u_ptr + slot * stride_us + batch * stride_ub
-            + offs_r[:, None] * stride_ur + offs_k[None, :] * stride_uk,
-            mask=mask_r[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # fmt: skip  # [r, k]
+    if LORA == LORA_ABSORBED:
+        u_rows = u_ptr + slot * stride_us + batch * stride_ub + offs_r * stride_ur  # [r]
+        if U_CHUNK == BLOCK_K:  # the whole tile, before the wait
+            u_w = _u_columns(u_rows, offs_k, mask_r, mask_k, stride_uk)  # [r, k]
     grid_dependency_control()
     x = tl.load(x_ptr + batch * stride_xb + offs_k, mask=mask_k, other=0.0)  # [k]
     if NORM:
@@ -140,16 +137,21 @@ def _gemv_kernel(
             for k0 in tl.static_range(0, BLOCK_K, U_CHUNK):
                 offs_c = k0 + tl.arange(0, U_CHUNK)
                 mask_c = offs_c < K
-                u_c = tl.load(
-                    u_ptr + slot * stride_us + batch * stride_ub
-                    + offs_r[:, None] * stride_ur + offs_c[None, :] * stride_uk,
-                    mask=mask_r[:, None] & mask_c[None, :],
-                    other=0.0,
-                )  # fmt: skip  # [r, c]
+                u_c = _u_columns(u_rows, offs_c, mask_r, mask_c, stride_uk)  # [r, c]
                 x_c = tl.load(x_ptr + batch * stride_xb + offs_c, mask=mask_c, other=0.0)
                 u += tl.sum(u_c.to(tl.float32) * x_c.to(tl.float32)[None, :], axis=1)
         y += tl.sum(v.to(tl.float32) * u[:, None], axis=0)
     tl.store(y_ptr + batch * stride_yb + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _u_columns(u_rows, cols, mask_r, mask_c, stride_uk):
+    """[r, c] columns `cols` of the u weight rows `u_rows` (masked rows and columns 0)."""
+    return tl.load(
+        u_rows[:, None] + cols[None, :] * stride_uk,
+        mask=mask_r[:, None] & mask_c[None, :],
+        other=0.0,
+    )
 
 
 def gemv_fits(x: Tensor, weight: Tensor, gated: bool = False) -> bool:
