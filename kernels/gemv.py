@@ -199,7 +199,8 @@ class GemvLora:
             raise ValueError(f"at most 3 slices, got boundaries {self.slice_offsets}")
 
     @property
-    def rank(self) -> int:
+    def pool_rank(self) -> int:
+        """R: the pool's rank (each slot's own rank is `slot_rank[slot]` ≤ R)."""
         return self.v.shape[-1]
 
     def fits(self, batch: int, n_dim: int, k_dim: int) -> bool:
@@ -211,18 +212,21 @@ class GemvLora:
             return (
                 v_ok
                 and y.dtype == torch.float32
-                and y.shape == (1, slices * self.rank)
+                and y.shape == (1, slices * self.pool_rank)
                 and y.is_contiguous()
             )
         u = self.u_weight
         assert u is not None
         return (
-            v_ok and u.dim() == 4 and u.shape[1] in (1, batch) and u.shape[2:] == (k_dim, self.rank)
+            v_ok
+            and u.dim() == 4
+            and u.shape[1] in (1, batch)
+            and u.shape[2:] == (k_dim, self.pool_rank)
         )
 
     @property
     def block_r(self) -> int:
-        return next_power_of_2(max(self.rank, 16))
+        return next_power_of_2(max(self.pool_rank, 16))
 
 
 # Elements of the absorbed corrections' [R, K] u weight tile a program holds beside its
@@ -344,14 +348,14 @@ def _launch(
     block_n = max(1, min(64, TILE_ELEMENTS // block_k))
     while block_n > 1 and batch * cdiv(n_dim, block_n) < MIN_PROGRAMS:
         block_n //= 2
-    token_slot, slot_rank, rank = shrink if shrink is not None else (y, y, 1)
+    token_slot, slot_rank, pool_rank = shrink if shrink is not None else (y, y, 1)
     if lora is not None:
-        token_slot, slot_rank, rank = lora.token_slot, lora.slot_rank, lora.rank
+        token_slot, slot_rank, pool_rank = lora.token_slot, lora.slot_rank, lora.pool_rank
     pointers, bounds_and_strides, lora_meta = _lora_args(lora, y)
     fast(_gemv_kernel)[(cdiv(n_dim, block_n), batch)](
         x, weight, y, x if norm_weight is None else norm_weight, n_dim, k_dim,
         x.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0), eps,
-        token_slot, slot_rank, *pointers, rank, *bounds_and_strides,
+        token_slot, slot_rank, *pointers, pool_rank, *bounds_and_strides,
         BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None, GATED=gated,
         SHRINK=shrink is not None, **lora_meta, num_warps=8,
     )  # fmt: skip
@@ -373,7 +377,7 @@ def _lora_args(
     meta = {
         "LORA": mode.value,
         "BLOCK_R": lora.block_r,
-        "RANK_ALIGN": rank_alignment(lora.rank),
+        "RANK_ALIGN": rank_alignment(lora.pool_rank),
         "U_CHUNK": _u_chunk(u.shape[2], lora.block_r),
     }
     return (lora_y, u, lora.v), (*bounds, *strides), meta

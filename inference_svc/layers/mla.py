@@ -137,11 +137,10 @@ class MLAAttention(nn.Module):
         q_gemv = one_token and gemv_per_head_fits(q_nope[0], w_uk.transpose(1, 2), q_lat[0])
         o_gemv = one_token and gemv_per_head_fits(q_lat[0], w_uv, out[0])  # o_lat: q_lat's shape
         q_lora = o_lora = None
-        if kv_b_lora is not None and one_token and lora_apply.ONE_TOKEN_LORA_IN_GEMV:
+        if kv_b_lora is not None and (q_gemv or o_gemv) and lora_apply.ONE_TOKEN_LORA_IN_GEMV:
             # Each side separately: a side whose product is not a GEMV keeps its launch.
             q_lora, o_lora = one_token_kv_b_lora(kv_b_lora, lora, self.num_heads, self.nope_dim)
-            q_lora = q_lora if q_gemv else None
-            o_lora = o_lora if o_gemv else None
+            q_lora, o_lora = (q_lora if q_gemv else None), (o_lora if o_gemv else None)
         if kv_b_lora is not None and q_lora is None:
             # kv_b's LoRA correction first, the absorbed product added onto it: the
             # correction's launch then follows a Triton kernel (the latent-cache write),
