@@ -114,9 +114,6 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
     # product on the side stream, then the expand; kv_b's corrections as their own launches)
     # instead of kernels.gemv with the LoRA in its launches.
     "one_token_cublas": {(apply, "ONE_TOKEN_LORA_IN_GEMV"): False},
-    # Prompt-length steps with each linear's LoRA expand after its product (read-modify-
-    # write of the output) instead of written first for the product to add onto.
-    "expand_after": {(apply, "EXPAND_FIRST_MIN_TOKENS"): 2**31},
 }
 
 

@@ -262,16 +262,11 @@ def _expand_item(
     BLOCK_R: tl.constexpr,
     COLS_ALIGNED: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """out[seg's tokens, column block pid_n] += y · B[slot]ᵀ over the block's slice
-    (ACCUMULATE false: =, and segments without work write their zeros)."""
+    """out[seg's tokens, column block pid_n] += y · B[slot]ᵀ over the block's slice."""
     slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
-    writes = rank > 0
-    if not ACCUMULATE:
-        writes = t_end > t_start
-    if writes:
+    if rank > 0:
         # Column blocks never straddle a slice: blocks [sliceI_block, ...) belong to slice I.
         in_s1 = pid_n >= slice1_block
         in_s2 = pid_n >= slice2_block
@@ -290,9 +285,8 @@ def _expand_item(
         mask_n = offs_n < col_hi
         out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
         out_mask = mask_t[:, None] & mask_n[None, :]
-        if ACCUMULATE:
-            # Issued before the rank loop so its latency overlaps the B loads.
-            prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        # Issued before the rank loop so its latency overlaps the B loads.
+        prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
         b_slot = b_ptr + slot.to(tl.int64) * stride_bs
         load_rank = rank_load_bound(rank, RANK_ALIGN)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)  # [t, n]
@@ -311,9 +305,7 @@ def _expand_item(
             )  # [r, n]
             b = tl.where(mask_r[:, None], b, 0.0)
             acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
-        if ACCUMULATE:
-            acc += prev.to(tl.float32)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, (prev.to(tl.float32) + acc).to(prev.dtype), mask=out_mask)
 
 
 @triton.jit
@@ -345,7 +337,6 @@ def _sgmv_expand_kernel(
     PLANNED: tl.constexpr,
     COLS_ALIGNED: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """v1: one program per (segment, column block) of the grid. planned: a fixed grid walks
@@ -383,7 +374,6 @@ def _sgmv_expand_kernel(
             BLOCK_R,
             COLS_ALIGNED,
             RANK_ALIGN,
-            ACCUMULATE,
             DOT_PRECISION,
         )
 
@@ -601,14 +591,11 @@ def sgmv_expand(
     slice_offsets: Sequence[int],
     *,
     variant: str | None = None,
-    accumulate: bool = True,
 ) -> Tensor:
     """Expand every token by its segment's adapter and add into `out` in place.
 
     Semantics: out[t, o_i + n] += Σ_{r < rank(slot(t))} y[t, i*R + r] · B[slot(t), o_i + n, r]
-    for each slice i with o_i = slice_offsets[i], n < slice_offsets[i+1] - o_i. With
-    `accumulate` false, out = that sum instead (zeros for tokens without an adapter): every
-    entry of out is written and none read.
+    for each slice i with o_i = slice_offsets[i], n < slice_offsets[i+1] - o_i.
 
     Args:
         y: [T, S*R] shrink output (float32 or the B dtype).
@@ -658,8 +645,7 @@ def sgmv_expand(
         *y.stride(), *B.stride(), *out.stride(),
         BLOCK_T=segs.max_seg_len, BLOCK_N=block_n, BLOCK_R=rank_block(pool_rank),
         PLANNED=plan.planned, COLS_ALIGNED=plan.planned and all(o % 8 == 0 for o in slice_offsets),
-        RANK_ALIGN=rank_alignment(pool_rank), ACCUMULATE=accumulate,
-        DOT_PRECISION=dot_precision(B.dtype),
+        RANK_ALIGN=rank_alignment(pool_rank), DOT_PRECISION=dot_precision(B.dtype),
         **({} if plan.num_stages is None else {"num_stages": plan.num_stages}),
     )  # fmt: skip
     return out
@@ -678,17 +664,10 @@ def sgmv_shrink_ref(x: Tensor, A: Tensor, segs: LoraSegments, num_slices: int = 
 
 
 def sgmv_expand_ref(
-    y: Tensor,
-    B: Tensor,
-    out: Tensor,
-    segs: LoraSegments,
-    slice_offsets: Sequence[int],
-    accumulate: bool = True,
+    y: Tensor, B: Tensor, out: Tensor, segs: LoraSegments, slice_offsets: Sequence[int]
 ) -> Tensor:
     """Torch gather + bmm reference of `sgmv_expand` in B's dtype (float32 accumulated in
     float64, as `sgmv_shrink_ref`), in place."""
-    if not accumulate:
-        out.zero_()
     num_tokens = out.shape[0]
     pool_rank = B.shape[2]
     slot = segs.token_slot[:num_tokens].long()  # [T]

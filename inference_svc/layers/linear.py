@@ -17,7 +17,6 @@ from inference_svc.lora import apply as lora_apply
 from inference_svc.lora.apply import (
     LoraWeights,
     finish_linear_lora,
-    linear_expand_first,
     one_token_linear_lora,
     start_linear_lora,
 )
@@ -98,8 +97,6 @@ class Linear(nn.Module):
         if has_lora:  # issued first: the shrink runs beside the base matmul (start_linear_lora)
             pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
         if info.scale is None:
-            if pending is not None and x.shape[0] >= lora_apply.EXPAND_FIRST_MIN_TOKENS:
-                return linear_expand_first(pending, x, info.weight, self.lora, self.slice_offsets)
             y = F.linear(x, info.weight)
         else:
             gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref

@@ -36,13 +36,7 @@ from kernels.moe_lora import (
     moe_lora_gate_up,
     moe_lora_gate_up_ref,
 )
-from kernels.sgmv import (
-    LONG_STEP_TOKENS,
-    sgmv_expand,
-    sgmv_expand_ref,
-    sgmv_shrink,
-    sgmv_shrink_ref,
-)
+from kernels.sgmv import sgmv_expand, sgmv_expand_ref, sgmv_shrink, sgmv_shrink_ref
 
 
 @dataclass(frozen=True)
@@ -118,48 +112,20 @@ def start_linear_lora(
 
 
 def finish_linear_lora(
-    pending: PendingLinearLora,
-    out: Tensor,
-    weights: LoraWeights,
-    slice_offsets: Sequence[int],
-    accumulate: bool = True,
+    pending: PendingLinearLora, out: Tensor, weights: LoraWeights, slice_offsets: Sequence[int]
 ) -> None:
-    """Semantics: out[t, o_i:o_i+1] += B_i[slot(t)] · y_i[t] per stacked slice i (`=` when
-    not `accumulate`: every entry written, zeros for tokens without the module's LoRA).
+    """Semantics: out[t, o_i:o_i+1] += B_i[slot(t)] · y_i[t] per stacked slice i.
 
     Args:
         out: [T, out] the linear's output, written in place.
         slice_offsets: S+1 column offsets of the stacked slices (0 first, out last).
     """
     if not out.is_cuda:
-        sgmv_expand_ref(pending.y, weights.b, out, pending.segments, slice_offsets, accumulate)
+        sgmv_expand_ref(pending.y, weights.b, out, pending.segments, slice_offsets)
         return
     if pending.stream is not None:
         torch.cuda.current_stream(out.device).wait_stream(pending.stream)
-    sgmv_expand(pending.y, weights.b, out, pending.segments, slice_offsets, accumulate=accumulate)
-
-
-# Steps of at least this many tokens write a linear's LoRA expand into the output first and
-# let the base matmul add its product onto it (beta = 1). A prompt-length matmul is
-# compute-bound, so the output it reads in its epilogue costs little, where an expand after
-# it reads and rewrites the whole output (~19 000 columns a token per layer of the
-# benchmark model). A memory-bound decode matmul moves the same bytes either way, so
-# shorter steps keep the expand after the product.
-EXPAND_FIRST_MIN_TOKENS = LONG_STEP_TOKENS
-
-
-def linear_expand_first(
-    pending: PendingLinearLora,
-    x: Tensor,
-    weight: Tensor,
-    weights: LoraWeights,
-    slice_offsets: Sequence[int],
-) -> Tensor:
-    """y = x · Wᵀ + the LoRA delta `pending` started, the delta written first (see
-    EXPAND_FIRST_MIN_TOKENS). Args: x [T, in]; weight [out, in]. Returns y [T, out]."""
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    finish_linear_lora(pending, y, weights, slice_offsets, accumulate=False)
-    return y.addmm_(x, weight.t())
+    sgmv_expand(pending.y, weights.b, out, pending.segments, slice_offsets)
 
 
 # A one-token step's linears and absorbed kv_b products run in kernels.gemv with their LoRA:

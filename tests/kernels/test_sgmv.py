@@ -155,24 +155,6 @@ def test_kernels_never_read_past_a_slot_rank(variants) -> None:  # type: ignore[
     )
 
 
-@pytest.mark.parametrize("variant", list(EXPAND_VARIANTS))
-@pytest.mark.parametrize("popularity", POPULARITIES)
-def test_expand_without_accumulating_writes_every_entry(popularity, variant) -> None:  # type: ignore[no-untyped-def]
-    """`accumulate=False` (the delta written before a prompt-length product adds onto it):
-    out starts as NaN, and every entry must come back as the delta alone, zeros for base
-    tokens, for slot 2 whose module rank is 0, and over both unequal qkv_a slices."""
-    segs, x, A, B, out = sgmv_case(popularity, 41, 67, QKV_A_SLICES, 16, torch.float32, seed=4)
-    segs.slot_rank[2] = 0
-    y = sgmv_shrink_ref(x, A, segs, 2)
-    got = sgmv_expand(y, B, torch.full_like(out, float("nan")), segs, QKV_A_SLICES,
-                      variant=variant, accumulate=False)  # fmt: skip
-    expected = sgmv_expand_ref(y, B, torch.zeros_like(out), segs, QKV_A_SLICES)
-    assert torch.isfinite(got).all()
-    assert_close(got, expected, torch.float32)
-    reference = sgmv_expand_ref(y, B, out.clone(), segs, QKV_A_SLICES, accumulate=False)
-    assert torch.equal(reference, expected)
-
-
 @pytest.mark.parametrize("variant", list(SHRINK_VARIANTS))
 @pytest.mark.parametrize(
     ("popularity", "num_tokens"),
@@ -295,24 +277,6 @@ def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank, seg_len, varia
     assert_close(y, y_ref, torch.bfloat16)
     expected = sgmv_expand_ref(y_ref, B.float(), out.float(), segs, slices)
     got = sgmv_expand(y, B, out, segs, slices, variant=expand_v)
-    assert_close(got, expected, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(EXPAND_VARIANTS))
-@pytest.mark.parametrize("popularity", ["zipf", "all_base"])
-def test_expand_without_accumulating_bf16_gpu(popularity, variant) -> None:  # type: ignore[no-untyped-def]
-    slices = [0, 1536, 1536 + 576]
-    segs, x, A, B, out = sgmv_case(popularity, 4100, 512, slices, 16, torch.bfloat16, 8)
-    segs = build_lora_segments(
-        segs.token_slot[: segs.num_tokens].tolist(), segs.slot_rank, device="cuda"
-    )
-    x, A, B = (t.cuda() for t in (x, A, B))
-    y = sgmv_shrink_ref(x.float(), A.float(), segs, 2)
-    got = torch.full(out.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    sgmv_expand(y, B, got, segs, slices, variant=variant, accumulate=False)
-    expected = sgmv_expand_ref(y, B.float(), torch.zeros(out.shape, device="cuda"), segs, slices)
-    assert torch.isfinite(got).all()
     assert_close(got, expected, torch.bfloat16)
 
 

@@ -210,39 +210,3 @@ def test_one_token_lora_in_the_gemv_equals_peft(tiny_model_dirs, monkeypatch, gr
     )
     for slot in (1, 3, -1):
         assert diffs[True, slot] <= diffs[False, slot] + GPU_FP32_SLACK, report
-
-
-def test_expand_written_before_the_product_equals_peft(tiny_model_dirs, monkeypatch):
-    """cuBLAS adding the base product onto the LoRA expand written first (beta = 1, as
-    prompt-length steps run: `apply.EXPAND_FIRST_MIN_TOKENS`, here every step of two tokens
-    or more) is as close to transformers+peft in float32 as the expand after the product,
-    for two adapters and the base in prefill and decode steps."""
-    from inference_svc.layers import linear
-    from inference_svc.lora import apply
-
-    calls = []
-    expand_first = linear.linear_expand_first
-
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        return expand_first(*args, **kwargs)
-
-    monkeypatch.setattr(linear, "linear_expand_first", counted)
-    tokens = random_tokens([9, 12, 7], seed=28)
-    slots = (1, 3, -1)
-    diffs, uses = {}, {}
-    for threshold in (2, 2**31):
-        monkeypatch.setattr(apply, "EXPAND_FIRST_MIN_TOKENS", threshold)
-        calls.clear()
-        runner, peft_models = _adapted_runner(tiny_model_dirs[SPEC], torch.float32)
-        oracles = {1: peft_models[1], 3: peft_models[0], -1: build_tiny_model(SPEC)}
-        scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
-        scenario.run([5, 6, 4])
-        for seq in scenario.seqs:
-            expected = oracle_logprobs(oracles[seq.slot], seq.tokens)
-            diffs[threshold, seq.slot] = max_logprob_diff(seq, expected)
-        uses[threshold] = len(calls)
-    assert uses[2] > 0 and uses[2**31] == 0, uses
-    report = ", ".join(f"threshold {t} slot {s}: {d:.1e}" for (t, s), d in diffs.items())
-    for slot in slots:
-        assert diffs[2, slot] <= diffs[2**31, slot] + GPU_FP32_SLACK, report

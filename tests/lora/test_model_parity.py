@@ -185,35 +185,6 @@ def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatc
     _check(scenario, [cases[0][0], build_tiny_model(spec), cases[1][0]])
 
 
-def test_expand_written_before_the_product_equals_peft(tiny_model_dirs, monkeypatch):
-    """Prompt-length steps write each linear's LoRA expand into the output first and let the
-    base matmul add onto it (`apply.EXPAND_FIRST_MIN_TOKENS`, here every step of two tokens
-    or more): mixed adapters and the base model in prefill and decode still equal peft."""
-    from inference_svc.layers import linear
-    from inference_svc.lora import apply
-
-    monkeypatch.setattr(apply, "EXPAND_FIRST_MIN_TOKENS", 2)
-    calls = []
-    expand_first = linear.linear_expand_first
-
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        return expand_first(*args, **kwargs)
-
-    monkeypatch.setattr(linear, "linear_expand_first", counted)
-    spec = "v3_q_lora"
-    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=3, max_rank=16)
-    cases = [peft_case(spec, rank=4, seed=31), peft_case(spec, rank=16, seed=32)]
-    for slot, (_, adapter) in zip((2, 0), cases, strict=True):
-        runner.lora_pool.load(slot, adapter)
-    tokens = random_tokens([13, 9, 11], seed=33)
-    scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, [2, -1, 0], strict=True)])
-    scenario.run([6, 4, 7], [1, 2, 1])
-    assert calls  # the path ran (steps of two tokens or more)
-    base = build_tiny_model(spec)
-    _check(scenario, [cases[0][0], base, cases[1][0]], base=base)
-
-
 @pytest.mark.parametrize(
     "kernels", ["reference", "reference_in_gemm", "triton", "triton_runs", "triton_in_gemm"]
 )
