@@ -39,7 +39,6 @@ from kernels.int_quant import (
     per_token_quant_int8_ref,
 )
 from kernels.launch import fast
-from kernels.lora_segments import rank_alignment
 from kernels.moe_lora import MoeLoraEpilogue, add_pair_lora
 from kernels.pdl import grid_dependency_control
 from kernels.sgmv import dot_precision, rank_block
@@ -496,7 +495,7 @@ def _grouped_gemm_kernel(
     stride_ly, stride_lbs, stride_lbe, stride_lbn,
     BN: tl.constexpr, BK: tl.constexpr, SCHEME: tl.constexpr, SCALE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LORA_SLICES: tl.constexpr, LORA_BLOCK_R: tl.constexpr, LORA_RANK_ALIGN: tl.constexpr,
+    LORA_SLICES: tl.constexpr, LORA_BLOCK_R: tl.constexpr,
     LORA_DOT: tl.constexpr,
 ):  # fmt: skip
     # SCHEME: 0 float, 1 block-scaled, 2 w8a8, 3 int4_group, 4 block_a8 (WEIGHT_SCHEMES).
@@ -570,7 +569,7 @@ def _grouped_gemm_kernel(
             result, pair, real, expert, pid_n * BLOCK_N,
             ly_ptr, lb_ptr, l_pair_token_ptr, l_token_slot_ptr, l_slot_rank_ptr,
             N, LORA_R, LORA_B_EXPERTS, stride_ly, stride_lbs, stride_lbe, stride_lbn,
-            LORA_SLICES, BLOCK_M, BLOCK_N, LORA_BLOCK_R, LORA_RANK_ALIGN, LORA_DOT,
+            LORA_SLICES, BLOCK_M, BLOCK_N, LORA_BLOCK_R, LORA_DOT,
         )  # fmt: skip
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :],
@@ -716,7 +715,6 @@ def grouped_gemm(
         BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         LORA_SLICES=lora.num_slices if lora is not None else 0,
         LORA_BLOCK_R=rank_block(lora.b.shape[3]) if lora is not None else 16,
-        LORA_RANK_ALIGN=rank_alignment(lora.b.shape[3]) if lora is not None else 1,
         LORA_DOT=dot_precision(lora.b.dtype if lora is not None else a.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

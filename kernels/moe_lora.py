@@ -449,22 +449,26 @@ def add_pair_lora(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    RANK_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """acc [m, n] (float32 tile of `expert`, rows `pair` where `real`, columns
     n_start + [0, BLOCK_N)) plus the `MoeLoraEpilogue` term. Rows come in token order
     within an expert and the scheduler orders tokens by slot, so a tile holds a few slots:
     per slice and rank block, the tile's y columns are gathered once, then one masked MMA
-    per slot against B rows the tile reads once. The slots' MMAs run one after another
-    (each waits for its B load): the y gather is kept out of that chain (y is zero past
-    each slot's rank, so the pool rank bounds it)."""
+    per distinct slot, in ascending slot order, against B rows the tile reads once.
+
+    Each slot costs one cross-warp reduction (the next slot: the least one above it) and
+    two independent loads (its rank and its B rows: every pool rank column is read and
+    the ones past the slot's rank zeroed, so the B load need not wait for the rank). The
+    y gather is kept out of that chain (y is zero past each slot's rank, so the pool rank
+    bounds it)."""
     tok = tl.load(pair_token_ptr + pair, mask=real, other=-1)
     slot = tl.load(token_slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)  # [m]
-    offs = tl.arange(0, BLOCK_M)
+    no_slot = 2**30
+    key = tl.where(slot >= 0, slot, no_slot)  # [m]
     offs_n = n_start + tl.arange(0, BLOCK_N)
     width = N // SLICES
-    b_expert = tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64)
+    b_expert = b_ptr + tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64) * stride_be
     for i in tl.static_range(SLICES):
         # Only the slices this column tile overlaps (a tile may straddle gate | up).
         if (n_start < (i + 1) * width) & (n_start + BLOCK_N > i * width):
@@ -476,22 +480,20 @@ def add_pair_lora(
                     mask=(slot >= 0)[:, None] & (offs_r < R)[None, :],
                     other=0.0,
                 )  # [m, r]
-                done = slot < 0
-                while tl.min(done.to(tl.int32)) == 0:
-                    run_slot = _first_pending_key(offs, slot, done, BLOCK_M)
-                    sel = slot == run_slot
+                b_cols = offs_n[None, :] * stride_bn + offs_r[:, None]  # [r, n]
+                b_mask = in_slice[None, :] & (offs_r < R)[:, None]
+                run_slot = tl.min(key)
+                while run_slot < no_slot:
                     rank = tl.load(slot_rank_ptr + run_slot)
-                    b_key = b_ptr + run_slot.to(tl.int64) * stride_bs + b_expert * stride_be
                     b = tl.load(
-                        b_key + offs_n[None, :] * stride_bn + offs_r[:, None],
-                        mask=in_slice[None, :]
-                        & (offs_r < rank_load_bound(rank, RANK_ALIGN))[:, None],
+                        b_expert + run_slot.to(tl.int64) * stride_bs + b_cols,
+                        mask=b_mask,
                         other=0.0,
                     )  # [r, n]
                     b = tl.where((offs_r < rank)[:, None], b, 0.0)
-                    y_run = tl.where(sel[:, None], y, 0.0).to(b.dtype)
+                    y_run = tl.where((slot == run_slot)[:, None], y, 0.0).to(b.dtype)
                     acc = tl.dot(y_run, b, acc, input_precision=DOT_PRECISION)
-                    done = done | sel
+                    run_slot = tl.min(tl.where(key > run_slot, key, no_slot))
     return acc
 
 

@@ -82,8 +82,10 @@ def _experts(n, k, dtype, seed, quant):  # type: ignore[no-untyped-def]
     return w, scale, block, quant
 
 
-def _check(both_segs, ids, slices, t, dtype, *, quant="float", block_m=16, tiles=None):  # type: ignore[no-untyped-def]
-    """Triton GEMM with the epilogue vs float32 base GEMM + the separate LoRA reference."""
+def _check(both_segs, ids, slices, t, dtype, *, quant="float", block_m=16, tiles=None, lora_t=None):  # type: ignore[no-untyped-def]
+    """Triton GEMM with the epilogue vs float32 base GEMM + the separate LoRA reference;
+    `lora_t`: other LoRA weights for the Triton side only (dead ranks poisoned)."""
+    lora_t = t if lora_t is None else lora_t
     segs, dev_segs = both_segs
     num_pairs = ids.numel()
     pair_token = (torch.arange(num_pairs) // TOP_K).int()
@@ -117,9 +119,9 @@ def _check(both_segs, ids, slices, t, dtype, *, quant="float", block_m=16, tiles
             a, w.to(DEVICE), align, rows_per_a, scale, block, scheme, tiles=tiles, lora=lora
         )
 
-    got_gu = fused(x, t["A_gu"], t["B_gu"], w13, s13, b13, TOP_K)
+    got_gu = fused(x, lora_t["A_gu"], lora_t["B_gu"], w13, s13, b13, TOP_K)
     assert_close(got_gu.float().cpu(), want_gu, dtype)
-    got_d = fused(act_d, t["A_d"], t["B_d"], w2, s2, b2, 1)
+    got_d = fused(act_d, lora_t["A_d"], lora_t["B_d"], w2, s2, b2, 1)
     assert_close(got_d.float().cpu(), want_d, dtype)
 
 
@@ -129,6 +131,20 @@ def test_epilogue_matches_gemm_then_lora(popularity, dtype) -> None:  # type: ig
     segs, ids, slices, t = _case(popularity, dtype, seed=1)
     # 16-column tiles: tile [16, 32) straddles the gate | up boundary at 24.
     _check(segs, ids, slices, t, dtype, tiles=fm.GemmTiles(block_n=16, block_k=32))
+
+
+@pytest.mark.parametrize("popularity", ["zipf", "skewed"])
+def test_epilogue_never_uses_b_past_a_slot_rank(popularity) -> None:  # type: ignore[no-untyped-def]
+    """NaN in every dead rank column of B (the pool keeps zeros there), the rank-0 slot's
+    whole B included: the epilogue reads whole pool-rank rows of B, so it must zero the
+    columns past each slot's rank before its MMA, never multiply them."""
+    segs, ids, slices, t = _case(popularity, torch.float32, seed=7)
+    ranks = segs[0].slot_rank
+    poisoned = dict(t)
+    for name in ("B_gu", "B_d"):
+        dead = torch.arange(t[name].shape[3])[None, :] >= ranks[:, None]  # [slots, R]
+        poisoned[name] = torch.where(dead[:, None, None, :], float("nan"), t[name])
+    _check(segs, ids, slices, t, torch.float32, lora_t=poisoned)
 
 
 @pytest.mark.parametrize(
