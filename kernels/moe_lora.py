@@ -86,11 +86,16 @@ def _block_pairs(block, order_ptr, order_len, P, ORDERED: tl.constexpr, BLOCK_P:
     return rows
 
 
+# Above every key (slot, or slot · experts + expert): ends a walk over a block's keys.
+NO_KEY = tl.constexpr(2**30)
+
+
 @triton.jit
-def _first_pending_key(offs, key, done, BLOCK_P: tl.constexpr):
-    """Key of the first pair of the block not yet handled."""
-    first = tl.min(tl.where(done, BLOCK_P, offs))
-    return tl.sum(tl.where(offs == first, key, 0))
+def _next_key(key, last):
+    """The least of `key` ([n] int32, -1 where a row has no work) above `last`, NO_KEY when
+    none is: a block's keys walked in ascending order, from `last` = -1. One cross-warp
+    reduction a key, where finding the first row not yet done took three."""
+    return tl.min(tl.where(key > last, key, NO_KEY))
 
 
 # Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
@@ -129,16 +134,14 @@ def _moe_lora_shrink_kernel(
     grid_dependency_control()
     pid_sr = tl.program_id(1)  # slice * rank_blocks + rank_block
     k_lo = tl.program_id(2) * k_per_split
-    offs = tl.arange(0, BLOCK_P)
     offs_p = _block_pairs(tl.program_id(0), order_ptr, order_len, P, ORDERED, BLOCK_P)
     tok, key = _pair_keys(offs_p, P, pair_token_ptr, pair_expert_ptr, token_slot_ptr, A_EXPERTS)
     x_row = offs_p if X_PER_PAIR else tok
     rank_blocks = tl.cdiv(R, BLOCK_R)
     slice_idx = pid_sr // rank_blocks
     offs_r = (pid_sr % rank_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    done = key < 0
-    while tl.min(done.to(tl.int32)) == 0:
-        run_key = _first_pending_key(offs, key, done, BLOCK_P)
+    run_key = _next_key(key, -1)
+    while run_key < NO_KEY:
         sel = key == run_key
         slot = run_key // A_EXPERTS
         rank = tl.load(slot_rank_ptr + slot)
@@ -173,7 +176,7 @@ def _moe_lora_shrink_kernel(
                 tl.atomic_add(y_ptrs, acc, mask=y_mask)
             else:
                 tl.store(y_ptrs, acc, mask=y_mask)
-        done = done | sel
+        run_key = _next_key(key, run_key)
 
 
 # Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
@@ -213,13 +216,11 @@ def _moe_lora_expand_kernel(
     offs_n = (tl.program_id(1) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     cols = slice_idx * N + offs_n  # columns of out and rows of B
-    offs = tl.arange(0, BLOCK_P)
     offs_p = _block_pairs(tl.program_id(0), order_ptr, order_len, P, ORDERED, BLOCK_P)
     _, key = _pair_keys(offs_p, P, pair_token_ptr, pair_expert_ptr, token_slot_ptr, B_EXPERTS)
-    done = key < 0
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)  # [p, n]
-    while tl.min(done.to(tl.int32)) == 0:
-        run_key = _first_pending_key(offs, key, done, BLOCK_P)
+    run_key = _next_key(key, -1)
+    while run_key < NO_KEY:
         sel = key == run_key
         slot = run_key // B_EXPERTS
         rank = tl.load(slot_rank_ptr + slot)
@@ -240,7 +241,7 @@ def _moe_lora_expand_kernel(
             )  # [r, n]
             b = tl.where(mask_r[:, None], b, 0.0)
             acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
-        done = done | sel
+        run_key = _next_key(key, run_key)
     out_ptrs = out_ptr + offs_p[:, None] * stride_op + cols[None, :] * stride_on
     out_mask = (key >= 0)[:, None] & mask_n[None, :]
     prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
@@ -457,15 +458,12 @@ def add_pair_lora(
     per slice and rank block, the tile's y columns are gathered once, then one masked MMA
     per distinct slot, in ascending slot order, against B rows the tile reads once.
 
-    Each slot costs one cross-warp reduction (the next slot: the least one above it) and
-    two independent loads (its rank and its B rows: every pool rank column is read and
-    the ones past the slot's rank zeroed, so the B load need not wait for the rank). The
-    y gather is kept out of that chain (y is zero past each slot's rank, so the pool rank
-    bounds it)."""
+    Each slot costs one cross-warp reduction (`_next_key`) and two independent loads (its
+    rank and its B rows: every pool rank column is read and the ones past the slot's rank
+    zeroed, so the B load need not wait for the rank). The y gather is kept out of that
+    chain (y is zero past each slot's rank, so the pool rank bounds it)."""
     tok = tl.load(pair_token_ptr + pair, mask=real, other=-1)
     slot = tl.load(token_slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)  # [m]
-    no_slot = 2**30
-    key = tl.where(slot >= 0, slot, no_slot)  # [m]
     offs_n = n_start + tl.arange(0, BLOCK_N)
     width = N // SLICES
     b_expert = b_ptr + tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64) * stride_be
@@ -482,8 +480,8 @@ def add_pair_lora(
                 )  # [m, r]
                 b_cols = offs_n[None, :] * stride_bn + offs_r[:, None]  # [r, n]
                 b_mask = in_slice[None, :] & (offs_r < R)[:, None]
-                run_slot = tl.min(key)
-                while run_slot < no_slot:
+                run_slot = _next_key(slot, -1)
+                while run_slot < NO_KEY:
                     rank = tl.load(slot_rank_ptr + run_slot)
                     b = tl.load(
                         b_expert + run_slot.to(tl.int64) * stride_bs + b_cols,
@@ -493,7 +491,7 @@ def add_pair_lora(
                     b = tl.where((offs_r < rank)[:, None], b, 0.0)
                     y_run = tl.where((slot == run_slot)[:, None], y, 0.0).to(b.dtype)
                     acc = tl.dot(y_run, b, acc, input_precision=DOT_PRECISION)
-                    run_slot = tl.min(tl.where(key > run_slot, key, no_slot))
+                    run_slot = _next_key(slot, run_slot)
     return acc
 
 
