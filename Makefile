@@ -31,8 +31,13 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# The CPU tests interpret the kernels; every distinct launch they make is then compiled for
+# sm_90 (tools/sm90_compile.py), so a kernel only the interpreter accepts fails here too.
+LAUNCH_LOG ?= .launch_log
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
+	rm -rf $(LAUNCH_LOG)
+	LORASERVE_LAUNCH_LOG=$(CURDIR)/$(LAUNCH_LOG) $(PY) -m pytest -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(PY) tools/sm90_compile.py $(LAUNCH_LOG)
 
 # Only the folders with GPU tests: the GPU image lacks redis/boto3, which the service tests import.
 GPU_TEST_DIRS := $(wildcard tests/kernels tests/model tests/inference tests/lora tests/e2e_gpu)
@@ -53,4 +58,4 @@ down: setup
 	$(PY) -m tools.demo --down
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache $(LAUNCH_LOG)

@@ -15,8 +15,13 @@ from tests.fixtures.triton_interpret import use_interpreter_without_cuda
 # Must run before anything imports triton (see tests/fixtures/triton_interpret.py).
 use_interpreter_without_cuda()
 
+from tests.fixtures.launch_record import LOG_ENV, record_launches  # noqa: E402
 from tests.fixtures.servers import RedisServer, SeaweedS3Server  # noqa: E402
 from tests.fixtures.tiny_models import TINY_SPECS, save_tiny_model  # noqa: E402
+
+# `make test` compiles every launch the run records for sm_90 (tools/sm90_compile.py).
+if os.environ.get(LOG_ENV):
+    record_launches(Path(os.environ[LOG_ENV]))
 
 # SeaweedFS accepts any credentials when none are configured; boto3 needs some to sign.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "loraserve-test")

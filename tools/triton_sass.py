@@ -40,16 +40,12 @@ def main() -> None:
 
     sys.path.insert(0, str(Path.cwd()))
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+
+    from tools.sm90 import compile_sm90
 
     fn = getattr(importlib.import_module(args.module), args.kernel)
-    consts = json.loads(args.const)
-    sig = {**json.loads(args.sig), **dict.fromkeys(consts, "constexpr")}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in args.div16}
-    source = ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs)
-    kernel = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options=json.loads(args.options)
+    kernel = compile_sm90(
+        fn, json.loads(args.sig), json.loads(args.const), args.div16, json.loads(args.options)
     )
     args.out.mkdir(parents=True, exist_ok=True)
     cubin = args.out / f"{args.kernel}.cubin"
