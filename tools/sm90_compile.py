@@ -26,25 +26,43 @@ from typing import Any
 
 
 def read_launches(folder: Path, package: str) -> list[dict[str, Any]]:
-    """The distinct recorded launches of every log file in `folder`, in a stable order.
+    """The distinct recorded launches of every log file in `folder`, in a stable order,
+    each launch with fp16 tensors also as bf16 (the GPU's dtype, which the interpreter
+    mishandles, so the CPU tests stand in fp16 for it).
 
     Launches that differ only in alignment (tensor addresses, integer values) count as one,
     the most aligned kept, as a GPU launch would mostly be: the interpreter's failures to
-    catch depend on the constexprs and types, and each compile takes seconds (a `make test`
-    run records ~1500 launches, ~150 distinct so).
+    catch depend on the constexprs and types (a `make test` run records thousands of
+    launches, a few hundred distinct so).
     """
     chosen: dict[str, tuple[int, str]] = {}
     for log in sorted(folder.glob("*.jsonl")):
-        for line in log.read_text().splitlines():
-            launch = json.loads(line)
+        for recorded in log.read_text().splitlines():
+            launch = json.loads(recorded)
             if not launch["module"].startswith(package):
                 continue  # e.g. a test's own kernel (tests/kernels/test_launch.py)
-            key = json.dumps([launch["module"], launch["kernel"], launch["options"],
-                              {n: _shape_free(a) for n, a in launch["args"].items()}])  # fmt: skip
-            aligned = sum(_aligned(a) for a in launch["args"].values())
-            if key not in chosen or (aligned, line) > chosen[key]:
-                chosen[key] = (aligned, line)
+            for variant in (launch, _as_bf16(launch)):
+                line = json.dumps(variant)
+                key = _kind(variant)
+                aligned = sum(_aligned(a) for a in variant["args"].values())
+                if key not in chosen or (aligned, line) > chosen[key]:
+                    chosen[key] = (aligned, line)
     return [json.loads(chosen[key][1]) for key in sorted(chosen)]
+
+
+def _kind(launch: dict[str, Any]) -> str:
+    """What launches that differ only in alignment share."""
+    args = {name: _shape_free(arg) for name, arg in launch["args"].items()}
+    return json.dumps([launch["module"], launch["kernel"], launch["options"], args])
+
+
+def _as_bf16(launch: dict[str, Any]) -> dict[str, Any]:
+    """`launch` with its fp16 tensors bf16 (the same launch when it has none)."""
+    args = {
+        name: ["tensor", "bf16", *arg[2:]] if arg[:2] == ["tensor", "fp16"] else arg
+        for name, arg in launch["args"].items()
+    }
+    return {**launch, "args": args}
 
 
 def _shape_free(arg: list[Any]) -> Any:

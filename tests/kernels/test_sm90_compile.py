@@ -16,6 +16,7 @@ import torch
 
 from kernels import fused_moe as fm
 from tests.fixtures.launch_record import record_launches
+from tools.sm90_compile import read_launches
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,8 @@ def _compile(
 
 def test_recorded_launch_compiles_for_sm90(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A launch through `fast` is recorded with its types, constexprs and alignment, and
-    the tool compiles it (once for two launches that differ only in alignment)."""
+    the tool compiles it once for two launches that differ only in alignment, plus its
+    bf16 twin."""
     from kernels import launch
 
     monkeypatch.setattr(launch.FastLaunch, "_launch", launch.FastLaunch._launch)
@@ -49,9 +51,14 @@ def test_recorded_launch_compiles_for_sm90(tmp_path: Path, monkeypatch) -> None:
     assert lines[0]["args"]["x_ptr"] == ["tensor", "fp16", True]
     assert lines[1]["args"]["x_ptr"] == ["tensor", "fp16", False]
     assert lines[0]["args"]["BLOCK"] == ["value", 32]
+    distinct = read_launches(tmp_path, "kernels.")  # one kind, most aligned, and as bf16
+    assert [launch["args"]["x_ptr"] for launch in distinct] == [
+        ["tensor", "bf16", True],
+        ["tensor", "fp16", True],
+    ]
     done = _compile(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 of 1 launches of 1 kernels compile" in done.stdout
+    assert "2 of 2 launches of 1 kernels compile" in done.stdout
 
 
 def test_a_kernel_only_the_interpreter_accepts_fails(tmp_path: Path) -> None:
