@@ -67,9 +67,10 @@ def _as_bf16(launch: dict[str, Any]) -> dict[str, Any]:
 
 def _shape_free(arg: list[Any]) -> Any:
     """An argument without what only alignment decides: a tensor's element type, a
-    number's type; strings, bools and None as they are (constexprs such as precisions)."""
+    number's type (an integer 1 as itself: Triton makes it a constant); strings, bools and
+    None as they are (constexprs such as precisions)."""
     kind, value, *_ = arg
-    if kind == "tensor":
+    if kind == "tensor" or value == 1 and type(value) is int:
         return value
     return value if value is None or isinstance(value, str | bool) else type(value).__name__
 
@@ -83,11 +84,13 @@ def _aligned(arg: list[Any]) -> bool:
 
 def compile_args(fn: Any, launch: dict[str, Any]) -> tuple[dict, dict, list[str]]:
     """(signature, constexprs, div16) of a recorded launch, by `fn`'s parameters: what
-    Triton's own launch would specialise (a None argument is a constexpr)."""
+    Triton's own launch would specialise (a None argument, and an integer 1 where the
+    parameter is specialised, become constants: unit strides, say)."""
     signature, constexprs, div16 = {}, {}, []
     for param in fn.params:
         kind, *rest = launch["args"][param.name]
-        if param.is_constexpr or (kind == "value" and rest[0] is None):
+        unit = kind == "value" and type(rest[0]) is int and rest[0] == 1
+        if param.is_constexpr or rest[0] is None or (unit and not param.do_not_specialize):
             constexprs[param.name] = rest[0]
         elif kind == "tensor":
             element, aligned = rest
