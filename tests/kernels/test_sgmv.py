@@ -138,6 +138,22 @@ def test_grid_sized_for_capacity_with_few_live_segments(variants, monkeypatch) -
     assert_close(got, sgmv_expand_ref(y, B, out, segs, [0, 130, 300]), torch.float32)
 
 
+@pytest.mark.parametrize("variant", [v for v, plan in EXPAND_VARIANTS.items() if plan.planned])
+@pytest.mark.parametrize("popularity", ["zipf", "distinct"])
+def test_planned_expand_programs_walking_several_items(popularity, variant) -> None:  # type: ignore[no-untyped-def]
+    """More (segment, column block) items than the planned grid's programs (16 or 32 on
+    the CPU's one "SM"), so each program walks several, the prefetching variant loading
+    later items' segments during earlier ones, the last ones past the live count."""
+    slices = [0, 300, 600]
+    segs, _, _, B, out = sgmv_case(popularity, 400, 64, slices, 16, torch.float32, seed=5)
+    y = torch.randn(400, 2 * 16)
+    plan = EXPAND_VARIANTS[variant]
+    items = segs.num_live_segments * 2 * cdiv(300, plan.block)
+    assert items > 2 * plan.programs_per_sm
+    got = sgmv_expand(y, B, out.clone(), segs, slices, variant=variant)
+    assert_close(got, sgmv_expand_ref(y, B, out, segs, slices), torch.float32)
+
+
 @pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
 def test_kernels_never_read_past_a_slot_rank(variants) -> None:  # type: ignore[no-untyped-def]
     """NaN in every unused rank row/column: a kernel that touches them returns NaN."""
