@@ -30,10 +30,10 @@ def read_launches(folder: Path, package: str) -> list[dict[str, Any]]:
     each launch with fp16 tensors also as bf16 (the GPU's dtype, which the interpreter
     mishandles, so the CPU tests stand in fp16 for it).
 
-    Launches that differ only in alignment (tensor addresses, integer values) count as one,
-    the most aligned kept, as a GPU launch would mostly be: the interpreter's failures to
-    catch depend on the constexprs and types (a `make test` run records thousands of
-    launches, a few hundred distinct so).
+    Launches that differ only in alignment (tensor addresses, values of non-constexpr
+    integers) count as one, the most aligned kept, as a GPU launch would mostly be: the
+    interpreter's failures to catch depend on the constexprs and types (a `make test` run
+    records thousands of launches, a few hundred distinct so).
     """
     chosen: dict[str, tuple[int, str]] = {}
     for log in sorted(folder.glob("*.jsonl")):
@@ -51,8 +51,13 @@ def read_launches(folder: Path, package: str) -> list[dict[str, Any]]:
 
 
 def _kind(launch: dict[str, Any]) -> str:
-    """What launches that differ only in alignment share."""
-    args = {name: _shape_free(arg) for name, arg in launch["args"].items()}
+    """What launches that differ only in alignment share: every constexpr's value, the
+    other arguments' types."""
+    constexprs = set(launch["constexprs"])
+    args = {
+        name: arg[1] if name in constexprs else _shape_free(arg)
+        for name, arg in launch["args"].items()
+    }
     return json.dumps([launch["module"], launch["kernel"], launch["options"], args])
 
 
@@ -66,9 +71,9 @@ def _as_bf16(launch: dict[str, Any]) -> dict[str, Any]:
 
 
 def _shape_free(arg: list[Any]) -> Any:
-    """An argument without what only alignment decides: a tensor's element type, a
-    number's type (an integer 1 as itself: Triton makes it a constant); strings, bools and
-    None as they are (constexprs such as precisions)."""
+    """A non-constexpr argument without what only alignment decides: a tensor's element
+    type, a number's type (an integer 1 as itself: Triton makes it a constant); strings,
+    bools and None as they are."""
     kind, value, *_ = arg
     if kind == "tensor" or value == 1 and type(value) is int:
         return value

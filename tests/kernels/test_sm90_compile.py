@@ -83,7 +83,7 @@ def test_a_kernel_only_the_interpreter_accepts_fails(tmp_path: Path) -> None:
     launch = {
         "module": "broken_kernels.plain_global", "kernel": "_kernel",
         "args": {"x_ptr": ["tensor", "i32", True], "n": ["value", 7], "BLOCK": ["value", 16]},
-        "options": {},
+        "constexprs": ["BLOCK"], "options": {},
     }  # fmt: skip
     logs = tmp_path / "launches"
     logs.mkdir()
