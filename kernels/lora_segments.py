@@ -129,25 +129,12 @@ class LoraSegments:
 def load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr):
     """(slot, rank, first token, end token) of segment `seg` inside a kernel; rank is 0 when
     the segment has no work (slot -1, empty padding segment or empty slot)."""
-    slot, t_start, t_end = load_segment_rows(seg, seg_indptr_ptr, seg_slot_ptr)
-    return slot, load_segment_rank(slot, t_start, t_end, slot_rank_ptr), t_start, t_end
-
-
-@triton.jit
-def load_segment_rows(seg, seg_indptr_ptr, seg_slot_ptr):
-    """(slot, first token, end token) of segment `seg`: `load_segment` without the rank,
-    whose load needs the slot (a kernel that prefetches splits the two)."""
     slot = tl.load(seg_slot_ptr + seg)
     t_start = tl.load(seg_indptr_ptr + seg)
     t_end = tl.load(seg_indptr_ptr + seg + 1)
-    return slot, t_start, t_end
-
-
-@triton.jit
-def load_segment_rank(slot, t_start, t_end, slot_rank_ptr):
-    """The rank `load_segment` gives the segment of (slot, t_start, t_end)."""
     rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-    return tl.where((slot >= 0) & (t_end > t_start), rank, 0)
+    rank = tl.where((slot >= 0) & (t_end > t_start), rank, 0)
+    return slot, rank, t_start, t_end
 
 
 # Rank columns a kernel rounds its rank-contiguous loads up to (B rows [.., n, R]): 8 bf16 are

@@ -28,8 +28,6 @@ from kernels.lora_segments import (
     LoraSegments,
     live_rank_columns,
     load_segment,
-    load_segment_rank,
-    load_segment_rows,
     rank_alignment,
     rank_load_bound,
 )
@@ -241,10 +239,10 @@ def _expand_item(
     y_ptr,
     b_ptr,
     out_ptr,
-    slot,
-    rank,
-    t_start,
-    t_end,
+    seg_indptr_ptr,
+    seg_slot_ptr,
+    slot_rank_ptr,
+    seg,
     pid_n,
     R,
     N,
@@ -266,8 +264,8 @@ def _expand_item(
     RANK_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """out[the segment's tokens, column block pid_n] += y · B[slot]ᵀ over the block's
-    slice; (slot, rank, t_start, t_end) is the segment's `load_segment`."""
+    """out[seg's tokens, column block pid_n] += y · B[slot]ᵀ over the block's slice."""
+    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
     if rank > 0:
         # Column blocks never straddle a slice: blocks [sliceI_block, ...) belong to slice I.
         in_s1 = pid_n >= slice1_block
@@ -337,49 +335,26 @@ def _sgmv_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PLANNED: tl.constexpr,
-    PREFETCH: tl.constexpr,
     COLS_ALIGNED: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """v1: one program per (segment, column block) of the grid. planned: a fixed grid walks
     the (live segment, column block) items, so padding segments of a graph captured for more
-    tokens cost no programs. PREFETCH (planned): each item's segment metadata is loaded
-    during the items before it, off the chain of the item's own loads (a segment's slot,
-    then its rank, then its tiles)."""
+    tokens cost no programs."""
     grid_dependency_control()
     first, last, step = tl.program_id(0), tl.program_id(0) + 1, 1
     if PLANNED:
         last, step = tl.load(num_segments_ptr) * n_blocks, tl.num_programs(0)
-    if PREFETCH:
-        # Segments of items past the program's last are read as its last one (clamped):
-        # every load stays inside the buffers (the first item's is live or padding).
-        slot, rank, t_start, t_end = load_segment(
-            first // n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr
-        )
-        next_rows = load_segment_rows(
-            tl.minimum(first + step, last - 1) // n_blocks, seg_indptr_ptr, seg_slot_ptr
-        )
     for item in range(first, last, step):
-        if PREFETCH:
-            # Two deep: the next item's rank (its slot arrived during the item before) and
-            # the slot and rows of the one after it, neither waiting on this item's loads.
-            next_rank = load_segment_rank(*next_rows, slot_rank_ptr)
-            rows_after = load_segment_rows(
-                tl.minimum(item + 2 * step, last - 1) // n_blocks, seg_indptr_ptr, seg_slot_ptr
-            )
-        else:
-            slot, rank, t_start, t_end = load_segment(
-                item // n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr
-            )
         _expand_item(
             y_ptr,
             b_ptr,
             out_ptr,
-            slot,
-            rank,
-            t_start,
-            t_end,
+            seg_indptr_ptr,
+            seg_slot_ptr,
+            slot_rank_ptr,
+            item // n_blocks,
             item % n_blocks,
             R,
             N,
@@ -401,10 +376,6 @@ def _sgmv_expand_kernel(
             RANK_ALIGN,
             DOT_PRECISION,
         )
-        if PREFETCH:
-            slot, t_start, t_end = next_rows
-            rank = next_rank
-            next_rows = rows_after
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -469,10 +440,6 @@ class SgmvVariant:
     block: int | None = None
     # Software-pipelining depth of the launch; None keeps Triton's default.
     num_stages: int | None = None
-    # Expand (planned): load the next items' segment metadata during this item.
-    prefetch: bool = False
-    # Register cap of the launch (Triton's maxnreg); None leaves it to the compiler.
-    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         if self.programs_per_sm < 1:
@@ -504,19 +471,6 @@ EXPAND_VARIANTS = {
     # all_h100.json: V3 rank 16 57.9 → 53.6 / 58.4 → 55.4 µs, rank 64 113.0 → 91.4 /
     # 113.8 → 95.6; V2-Lite rank 64 37.1 → 32.3 / 36.8 → 32.4).
     "planned_n256_p32": SgmvVariant(planned=True, programs_per_sm=32, block=256, num_stages=1),
-    # planned_n256_p32 with each item's segment metadata loaded during the items before.
-    # Predicted from sm_90 SASS (tools/triton_sass.py; no GPU run yet): 128 registers let
-    # 4 programs share an SM, and an item's chain was two dependent metadata loads (slot,
-    # then rank) before its tiles' loads, about half of an item's latency. Prefetched, they
-    # leave that chain; capped at 128 registers (149 uncapped, 3 programs an SM), no spills.
-    "planned_n256_p32_prefetch": SgmvVariant(
-        planned=True,
-        programs_per_sm=32,
-        block=256,
-        num_stages=1,
-        prefetch=True,
-        max_registers=128,
-    ),  # fmt: skip
 }
 # What the launchers use unless told otherwise: the prediction of docs/kernel_notes.md,
 # to be replaced by the measured best.
@@ -690,11 +644,9 @@ def sgmv_expand(
         n_blocks, pool_rank, out_total, *slice_cols[:2], *slice_blocks[:2],
         *y.stride(), *B.stride(), *out.stride(),
         BLOCK_T=segs.max_seg_len, BLOCK_N=block_n, BLOCK_R=rank_block(pool_rank),
-        PLANNED=plan.planned, PREFETCH=plan.planned and plan.prefetch,
-        COLS_ALIGNED=plan.planned and all(o % 8 == 0 for o in slice_offsets),
+        PLANNED=plan.planned, COLS_ALIGNED=plan.planned and all(o % 8 == 0 for o in slice_offsets),
         RANK_ALIGN=rank_alignment(pool_rank), DOT_PRECISION=dot_precision(B.dtype),
         **({} if plan.num_stages is None else {"num_stages": plan.num_stages}),
-        **({} if plan.max_registers is None else {"maxnreg": plan.max_registers}),
     )  # fmt: skip
     return out
 

@@ -142,8 +142,7 @@ def test_grid_sized_for_capacity_with_few_live_segments(variants, monkeypatch) -
 @pytest.mark.parametrize("popularity", ["zipf", "distinct"])
 def test_planned_expand_programs_walking_several_items(popularity, variant) -> None:  # type: ignore[no-untyped-def]
     """More (segment, column block) items than the planned grid's programs (16 or 32 on
-    the CPU's one "SM"), so each program walks several, the prefetching variant loading
-    later items' segments during earlier ones, the last ones past the live count."""
+    the CPU's one "SM"), so each program walks several, the last ones past the live count."""
     slices = [0, 300, 600]
     segs, _, _, B, out = sgmv_case(popularity, 400, 64, slices, 16, torch.float32, seed=5)
     y = torch.randn(400, 2 * 16)
