@@ -39,7 +39,7 @@ from kernels.int_quant import (
     per_token_quant_int8_ref,
 )
 from kernels.launch import fast
-from kernels.moe_lora import MoeLoraEpilogue, add_pair_lora
+from kernels.moe_lora import MoeLoraEpilogue, add_pair_lora, first_pair_lora
 from kernels.pdl import grid_dependency_control
 from kernels.sgmv import dot_precision, rank_block
 
@@ -516,6 +516,13 @@ def _grouped_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if LORA_SLICES > 0:
+        l_slot, l_first_slice, l_first_slot, l_first_y, l_first_b = first_pair_lora(
+            pair, real, expert, pid_n * BLOCK_N,
+            ly_ptr, lb_ptr, l_pair_token_ptr, l_token_slot_ptr, l_slot_rank_ptr,
+            N, LORA_R, LORA_B_EXPERTS, stride_ly, stride_lbs, stride_lbe, stride_lbn,
+            LORA_SLICES, BLOCK_N, LORA_BLOCK_R,
+        )  # fmt: skip
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         a = tl.load(
@@ -566,8 +573,9 @@ def _grouped_gemm_kernel(
         result = acc
     if LORA_SLICES > 0:
         result = add_pair_lora(
-            result, pair, real, expert, pid_n * BLOCK_N,
-            ly_ptr, lb_ptr, l_pair_token_ptr, l_token_slot_ptr, l_slot_rank_ptr,
+            result, pair, expert, pid_n * BLOCK_N,
+            l_slot, l_first_slice, l_first_slot, l_first_y, l_first_b,
+            ly_ptr, lb_ptr, l_slot_rank_ptr,
             N, LORA_R, LORA_B_EXPERTS, stride_ly, stride_lbs, stride_lbe, stride_lbn,
             LORA_SLICES, BLOCK_M, BLOCK_N, LORA_BLOCK_R, LORA_DOT,
         )  # fmt: skip

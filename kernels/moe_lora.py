@@ -428,8 +428,7 @@ class MoeLoraEpilogue:
 
 
 @triton.jit
-def add_pair_lora(
-    acc,
+def first_pair_lora(
     pair,
     real,
     expert,
@@ -447,23 +446,79 @@ def add_pair_lora(
     stride_be,
     stride_bn,
     SLICES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """What `add_pair_lora` needs first, loaded before the GEMM's K loop so that its
+    latency hides behind the loop (a prompt-length tile is one program an SM: after the
+    loop nothing else would cover it). Returns (slot [m] of each row, -1 without work;
+    the tile's first slice; its first slot, NO_KEY when none; that slot's rank; y [m, r]
+    of the slice's first rank block in B's dtype, zero for rows without work; the slot's
+    B [r, n] over the tile's columns of the slice, zero past its rank)."""
+    tok = tl.load(pair_token_ptr + pair, mask=real, other=-1)
+    slot = tl.load(token_slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)  # [m]
+    width = N // SLICES
+    first_slice = tl.minimum(n_start // width, SLICES - 1)
+    offs_r = tl.arange(0, BLOCK_R)
+    y = tl.load(
+        y_ptr + pair[:, None].to(tl.int64) * stride_yp + (first_slice * R + offs_r)[None, :],
+        mask=(slot >= 0)[:, None] & (offs_r < R)[None, :],
+        other=0.0,
+    ).to(b_ptr.dtype.element_ty)  # [m, r]
+    first_slot = _next_key(slot, -1)
+    live = first_slot < NO_KEY
+    rank = tl.load(slot_rank_ptr + first_slot, mask=live, other=0)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    in_slice = (offs_n >= first_slice * width) & (offs_n < (first_slice + 1) * width)
+    b_expert = b_ptr + tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64) * stride_be
+    b_slot = b_expert + first_slot.to(tl.int64) * stride_bs
+    b = tl.load(
+        b_slot + offs_n[None, :] * stride_bn + offs_r[:, None],
+        mask=live & in_slice[None, :] & (offs_r < R)[:, None],
+        other=0.0,
+    )  # [r, n]
+    b = tl.where((offs_r < rank)[:, None], b, 0.0)
+    return slot, first_slice, first_slot, y, b
+
+
+@triton.jit
+def add_pair_lora(
+    acc,
+    pair,
+    expert,
+    n_start,
+    slot,
+    first_slice,
+    first_slot,
+    first_y,
+    first_b,
+    y_ptr,
+    b_ptr,
+    slot_rank_ptr,
+    N,
+    R,
+    B_EXPERTS,
+    stride_yp,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """acc [m, n] (float32 tile of `expert`, rows `pair` where `real`, columns
-    n_start + [0, BLOCK_N)) plus the `MoeLoraEpilogue` term. Rows come in token order
-    within an expert and the scheduler orders tokens by slot, so a tile holds a few slots:
-    per slice and rank block, the tile's y columns are gathered once, then one masked MMA
-    per distinct slot, in ascending slot order, against B rows the tile reads once.
+    """acc [m, n] (float32 tile of `expert`, rows `pair`, columns n_start + [0, BLOCK_N))
+    plus the `MoeLoraEpilogue` term; slot .. first_b are `first_pair_lora`'s. Rows come in
+    token order within an expert and the scheduler orders tokens by slot, so a tile holds
+    a few slots: per slice and rank block, the tile's y columns are gathered once, then one
+    masked MMA per distinct slot, in ascending slot order, against B rows the tile reads
+    once. The first slice's first rank block starts from the prefetched y and first slot.
 
-    Each slot costs one cross-warp reduction (`_next_key`) and two independent loads (its
-    rank and its B rows: every pool rank column is read and the ones past the slot's rank
-    zeroed, so the B load need not wait for the rank). The y gather is kept out of that
-    chain (y is zero past each slot's rank, so the pool rank bounds it)."""
-    tok = tl.load(pair_token_ptr + pair, mask=real, other=-1)
-    slot = tl.load(token_slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)  # [m]
+    Each further slot costs one cross-warp reduction (`_next_key`) and two independent
+    loads (its rank and its B rows: every pool rank column is read and the ones past the
+    slot's rank zeroed, so the B load need not wait for the rank). The y gather is kept out
+    of that chain (y is zero past each slot's rank, so the pool rank bounds it)."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     width = N // SLICES
     b_expert = b_ptr + tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64) * stride_be
@@ -473,14 +528,21 @@ def add_pair_lora(
             in_slice = (offs_n >= i * width) & (offs_n < (i + 1) * width)
             for r0 in range(0, R, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
+                prefetched = (i == first_slice) & (r0 == 0)
                 y = tl.load(
                     y_ptr + pair[:, None].to(tl.int64) * stride_yp + (i * R + offs_r)[None, :],
-                    mask=(slot >= 0)[:, None] & (offs_r < R)[None, :],
+                    mask=(slot >= 0)[:, None] & (offs_r < R)[None, :] & (prefetched == 0),
                     other=0.0,
-                )  # [m, r]
+                ).to(b_ptr.dtype.element_ty)  # [m, r]
+                y = tl.where(prefetched, first_y, y)
+                # The first slot's step, from the prefetched tiles (adds zeros elsewhere:
+                # one small MMA, where a branch would hold acc in two forms).
+                y_run = tl.where((slot == first_slot)[:, None] & prefetched, y, 0.0)
+                acc = tl.dot(y_run, first_b, acc, input_precision=DOT_PRECISION)
+                last = tl.where(prefetched, first_slot, -1)
                 b_cols = offs_n[None, :] * stride_bn + offs_r[:, None]  # [r, n]
                 b_mask = in_slice[None, :] & (offs_r < R)[:, None]
-                run_slot = _next_key(slot, -1)
+                run_slot = _next_key(slot, last)
                 while run_slot < NO_KEY:
                     rank = tl.load(slot_rank_ptr + run_slot)
                     b = tl.load(
@@ -489,7 +551,7 @@ def add_pair_lora(
                         other=0.0,
                     )  # [r, n]
                     b = tl.where((offs_r < rank)[:, None], b, 0.0)
-                    y_run = tl.where((slot == run_slot)[:, None], y, 0.0).to(b.dtype)
+                    y_run = tl.where((slot == run_slot)[:, None], y, 0.0)
                     acc = tl.dot(y_run, b, acc, input_precision=DOT_PRECISION)
                     run_slot = _next_key(slot, run_slot)
     return acc
