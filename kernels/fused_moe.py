@@ -577,7 +577,7 @@ def _grouped_gemm_kernel(
             l_slot, l_first_slice, l_first_slot, l_first_y, l_first_b,
             ly_ptr, lb_ptr, l_slot_rank_ptr,
             N, LORA_R, LORA_B_EXPERTS, stride_ly, stride_lbs, stride_lbe, stride_lbn,
-            LORA_SLICES, BLOCK_M, BLOCK_N, LORA_BLOCK_R, LORA_DOT,
+            LORA_SLICES, BLOCK_N, LORA_BLOCK_R, LORA_DOT,
         )  # fmt: skip
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :],

@@ -452,9 +452,9 @@ def first_pair_lora(
     """What `add_pair_lora` needs first, loaded before the GEMM's K loop so that its
     latency hides behind the loop (a prompt-length tile is one program an SM: after the
     loop nothing else would cover it). Returns (slot [m] of each row, -1 without work;
-    the tile's first slice; its first slot, NO_KEY when none; that slot's rank; y [m, r]
-    of the slice's first rank block in B's dtype, zero for rows without work; the slot's
-    B [r, n] over the tile's columns of the slice, zero past its rank)."""
+    the tile's first slice; its first slot, NO_KEY when none; y [m, r] of the slice's
+    first rank block in B's dtype, zero for rows without work; the first slot's B [r, n]
+    over the tile's columns of the slice, zero past the slot's rank)."""
     tok = tl.load(pair_token_ptr + pair, mask=real, other=-1)
     slot = tl.load(token_slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)  # [m]
     width = N // SLICES
@@ -503,7 +503,6 @@ def add_pair_lora(
     stride_be,
     stride_bn,
     SLICES: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
