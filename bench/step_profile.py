@@ -99,7 +99,7 @@ class StepProfile:
         count: dict[str, float] = defaultdict(float)
         micros: dict[str, float] = defaultdict(float)
         names: dict[str, float] = defaultdict(float)
-        intervals: list[tuple[float, float]] = []
+        records: list[tuple[str, float, float]] = []  # (class, start µs, end µs)
         for event in self._profile.events():
             on_device = event.device_type == torch.autograd.DeviceType.CUDA
             if on_cuda and not on_device:
@@ -113,7 +113,7 @@ class StepProfile:
             count[label] += 1 / steps
             micros[label] += elapsed / steps
             names[event.name[:80]] += elapsed / steps
-            intervals.append((event.time_range.start, event.time_range.end))
+            records.append((label, event.time_range.start, event.time_range.end))
         classes = {
             label: {
                 "launches_per_step": round(count[label], 2),
@@ -122,14 +122,37 @@ class StepProfile:
             for label in sorted(micros, key=micros.get, reverse=True)
         }
         top = sorted(names.items(), key=lambda kv: kv[1], reverse=True)[:15]
+        unions = busy_unions(records)
         return {
             "launches_per_step": round(sum(count.values()), 1),
             "busy_us_per_step": round(sum(micros.values()), 1),
-            "gpu_busy_union_us_per_step": round(interval_union(intervals) / steps, 1),
+            "gpu_busy_union_us_per_step": round(unions["all"] / steps, 1),
+            "kernel_union_us_per_step": round(unions["kernels"] / steps, 1),
+            "copy_union_us_per_step": round(unions["copies"] / steps, 1),
+            "copy_under_kernels_us_per_step": round(unions["copies_under_kernels"] / steps, 1),
             "wall_us_per_step": round(self._wall_s * 1e6 / steps, 1),
             "classes": classes,
             "top_kernels_us": {name: round(us, 1) for name, us in top},
         }
+
+
+# Classes that are copies and fills (copy engines or tiny kernels), not compute.
+COPY_CLASSES = frozenset({"memcpy_memset"})
+
+
+def busy_unions(records: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Covered µs of (class, start, end) records: "all", "kernels" (every class but
+    COPY_CLASSES), "copies", and "copies_under_kernels" (kernels + copies − all: how much
+    of the copies ran while some kernel ran; a host → GPU transfer that truly overlaps the
+    step's kernels has it equal to "copies")."""
+    spans = {
+        "all": [(start, end) for _, start, end in records],
+        "kernels": [(start, end) for label, start, end in records if label not in COPY_CLASSES],
+        "copies": [(start, end) for label, start, end in records if label in COPY_CLASSES],
+    }
+    unions = {key: interval_union(value) for key, value in spans.items()}
+    unions["copies_under_kernels"] = unions["kernels"] + unions["copies"] - unions["all"]
+    return unions
 
 
 def interval_union(intervals: list[tuple[float, float]]) -> float:
