@@ -428,6 +428,31 @@ class MoeLoraEpilogue:
 
 
 @triton.jit
+def _pair_y(y_ptr, pair, slot, slice_idx, offs_r, R, stride_yp, wanted):
+    """y [m, r] of `pair`'s rows in slice `slice_idx`, rank columns `offs_r`: zero past the
+    pool rank, for rows without work, and everywhere unless `wanted`."""
+    return tl.load(
+        y_ptr + pair[:, None].to(tl.int64) * stride_yp + (slice_idx * R + offs_r)[None, :],
+        mask=(slot >= 0)[:, None] & (offs_r < R)[None, :] & wanted,
+        other=0.0,
+    )
+
+
+@triton.jit
+def _slot_b(
+    b_ptr, slot_rank_ptr, slot, expert, B_EXPERTS, stride_bs, stride_be, b_cols, b_mask, offs_r
+):
+    """B [r, n] of key (`slot`, `expert`) at `b_cols` (offsets, rank rows `offs_r`), zero past
+    the slot's rank and everywhere when `slot` is NO_KEY. Every pool rank column is read and
+    the dead ones zeroed, so the B load does not wait for the rank's."""
+    live = slot < NO_KEY
+    rank = tl.load(slot_rank_ptr + slot, mask=live, other=0)
+    b_key = _key_weights(b_ptr, slot, expert, B_EXPERTS, stride_bs, stride_be)
+    b = tl.load(b_key + b_cols, mask=b_mask & live, other=0.0)
+    return tl.where((offs_r < rank)[:, None], b, 0.0)
+
+
+@triton.jit
 def first_pair_lora(
     pair,
     real,
@@ -460,25 +485,16 @@ def first_pair_lora(
     width = N // SLICES
     first_slice = tl.minimum(n_start // width, SLICES - 1)
     offs_r = tl.arange(0, BLOCK_R)
-    y = tl.load(
-        y_ptr + pair[:, None].to(tl.int64) * stride_yp + (first_slice * R + offs_r)[None, :],
-        mask=(slot >= 0)[:, None] & (offs_r < R)[None, :],
-        other=0.0,
-    ).to(b_ptr.dtype.element_ty)  # [m, r]
+    y = _pair_y(y_ptr, pair, slot, first_slice, offs_r, R, stride_yp, True)
     first_slot = _next_key(slot, -1)
-    live = first_slot < NO_KEY
-    rank = tl.load(slot_rank_ptr + first_slot, mask=live, other=0)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     in_slice = (offs_n >= first_slice * width) & (offs_n < (first_slice + 1) * width)
-    b_expert = b_ptr + tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64) * stride_be
-    b_slot = b_expert + first_slot.to(tl.int64) * stride_bs
-    b = tl.load(
-        b_slot + offs_n[None, :] * stride_bn + offs_r[:, None],
-        mask=live & in_slice[None, :] & (offs_r < R)[:, None],
-        other=0.0,
-    )  # [r, n]
-    b = tl.where((offs_r < rank)[:, None], b, 0.0)
-    return slot, first_slice, first_slot, y, b
+    b = _slot_b(
+        b_ptr, slot_rank_ptr, first_slot, expert, B_EXPERTS, stride_bs, stride_be,
+        offs_n[None, :] * stride_bn + offs_r[:, None], in_slice[None, :] & (offs_r < R)[:, None],
+        offs_r,
+    )  # fmt: skip
+    return slot, first_slice, first_slot, y.to(b.dtype), b
 
 
 @triton.jit
@@ -520,7 +536,6 @@ def add_pair_lora(
     of that chain (y is zero past each slot's rank, so the pool rank bounds it)."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     width = N // SLICES
-    b_expert = b_ptr + tl.where(B_EXPERTS == 1, 0, expert).to(tl.int64) * stride_be
     for i in tl.static_range(SLICES):
         # Only the slices this column tile overlaps (a tile may straddle gate | up).
         if (n_start < (i + 1) * width) & (n_start + BLOCK_N > i * width):
@@ -528,12 +543,8 @@ def add_pair_lora(
             for r0 in range(0, R, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 prefetched = (i == first_slice) & (r0 == 0)
-                y = tl.load(
-                    y_ptr + pair[:, None].to(tl.int64) * stride_yp + (i * R + offs_r)[None, :],
-                    mask=(slot >= 0)[:, None] & (offs_r < R)[None, :] & (prefetched == 0),
-                    other=0.0,
-                ).to(b_ptr.dtype.element_ty)  # [m, r]
-                y = tl.where(prefetched, first_y, y)
+                y = _pair_y(y_ptr, pair, slot, i, offs_r, R, stride_yp, prefetched == 0)
+                y = tl.where(prefetched, first_y, y.to(first_y.dtype))  # [m, r]
                 # The first slot's step, from the prefetched tiles (adds zeros elsewhere:
                 # one small MMA, where a branch would hold acc in two forms).
                 y_run = tl.where((slot == first_slot)[:, None] & prefetched, y, 0.0)
@@ -543,13 +554,10 @@ def add_pair_lora(
                 b_mask = in_slice[None, :] & (offs_r < R)[:, None]
                 run_slot = _next_key(slot, last)
                 while run_slot < NO_KEY:
-                    rank = tl.load(slot_rank_ptr + run_slot)
-                    b = tl.load(
-                        b_expert + run_slot.to(tl.int64) * stride_bs + b_cols,
-                        mask=b_mask,
-                        other=0.0,
-                    )  # [r, n]
-                    b = tl.where((offs_r < rank)[:, None], b, 0.0)
+                    b = _slot_b(
+                        b_ptr, slot_rank_ptr, run_slot, expert, B_EXPERTS, stride_bs,
+                        stride_be, b_cols, b_mask, offs_r,
+                    )  # fmt: skip
                     y_run = tl.where((slot == run_slot)[:, None], y, 0.0)
                     acc = tl.dot(y_run, b, acc, input_precision=DOT_PRECISION)
                     run_slot = _next_key(slot, run_slot)
