@@ -44,7 +44,14 @@ from kernels.lora_segments import (
     rank_load_bound,
 )
 from kernels.pdl import grid_dependency_control
-from kernels.sgmv import dot_precision, num_sms, plan_split_k, rank_block
+from kernels.sgmv import (
+    dot_precision,
+    num_sms,
+    plan_split_k,
+    rank_block,
+    shrink_rank_tile,
+    shrink_rows,
+)
 
 BLOCK_P = 16
 # Pairs per block of the epilogue path's shrink: it walks the expert-sorted order, where a
@@ -128,30 +135,31 @@ def _moe_lora_shrink_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STACKED: tl.constexpr,
     ATOMIC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """y[pair, rows of rank tile pid_sr] (+)= x[pair's row, K split] · A[key]ᵀ for the pairs
+    of one block, key by key (ascending); STACKED as in `shrink_rows`."""
     grid_dependency_control()
-    pid_sr = tl.program_id(1)  # slice * rank_blocks + rank_block
+    pid_sr = tl.program_id(1)  # slice * rank_blocks + rank_block (0 when STACKED)
     k_lo = tl.program_id(2) * k_per_split
     offs_p = _block_pairs(tl.program_id(0), order_ptr, order_len, P, ORDERED, BLOCK_P)
     tok, key = _pair_keys(offs_p, P, pair_token_ptr, pair_expert_ptr, token_slot_ptr, A_EXPERTS)
     x_row = offs_p if X_PER_PAIR else tok
-    rank_blocks = tl.cdiv(R, BLOCK_R)
-    slice_idx = pid_sr // rank_blocks
-    offs_r = (pid_sr % rank_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows, rank_index, r_start = shrink_rows(pid_sr, R, BLOCK_R, STACKED)
     run_key = _next_key(key, -1)
     while run_key < NO_KEY:
         sel = key == run_key
         slot = run_key // A_EXPERTS
         rank = tl.load(slot_rank_ptr + slot)
-        mask_r = offs_r < rank
-        if (pid_sr % rank_blocks) * BLOCK_R < rank:
+        mask_r = rank_index < rank
+        if r_start < rank:
             a_rows = (
                 a_ptr
                 + slot.to(tl.int64) * stride_as
                 + (run_key % A_EXPERTS) * stride_ae
-                + (slice_idx * R + offs_r) * stride_ar
+                + rows * stride_ar
             )
             acc = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)  # [p, r]
             for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
@@ -168,9 +176,7 @@ def _moe_lora_shrink_kernel(
                     other=0.0,
                 )  # [k, r]
                 acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
-            y_ptrs = (
-                y_ptr + offs_p[:, None] * stride_yp + (slice_idx * R + offs_r)[None, :] * stride_yr
-            )
+            y_ptrs = y_ptr + offs_p[:, None] * stride_yp + rows[None, :] * stride_yr
             y_mask = sel[:, None] & mask_r[None, :]
             if ATOMIC:
                 tl.atomic_add(y_ptrs, acc, mask=y_mask)
@@ -775,8 +781,8 @@ def _shrink_runs(
     if num_pairs == 0:
         return y
     k_dim = x.shape[1]
-    block_r = rank_block(pool_rank)
-    rank_programs = num_slices * cdiv(pool_rank, block_r)
+    block_r, stacked = shrink_rank_tile(num_slices, pool_rank)
+    rank_programs = 1 if stacked else num_slices * cdiv(pool_rank, block_r)
     block_k, k_per_split, split_k = plan_split_k(k_dim, walk.blocks * rank_programs)
     fast(_moe_lora_shrink_kernel)[(walk.blocks, rank_programs, split_k)](
         x,
@@ -795,6 +801,7 @@ def _shrink_runs(
         BLOCK_P=walk.block_p,
         BLOCK_R=block_r,
         BLOCK_K=block_k,
+        STACKED=stacked,
         ATOMIC=split_k > 1,
         DOT_PRECISION=dot_precision(x.dtype),
     )

@@ -41,6 +41,22 @@ _UNUSED = 2**30
 
 
 @triton.jit
+def shrink_rows(pid_sr, R, BLOCK_R: tl.constexpr, STACKED: tl.constexpr):
+    """Rank tile `pid_sr` of a shrink whose A has S slices of R rows: (rows [r] of A, which
+    are y's columns too; each row's rank index, R for a padding row, so `< rank` masks
+    both; the tile's first rank index, to skip a tile wholly past a slot's rank).
+    STACKED: 0 (tiles of BLOCK_R rows within one slice), or S: one tile of all S·R rows,
+    row j being rank j % R of slice j // R."""
+    if STACKED:
+        rows = tl.arange(0, BLOCK_R)
+        return rows, tl.where(rows < STACKED * R, rows % R, R), 0
+    rank_blocks = tl.cdiv(R, BLOCK_R)
+    r_start = (pid_sr % rank_blocks) * BLOCK_R
+    offs_r = r_start + tl.arange(0, BLOCK_R)
+    return (pid_sr // rank_blocks) * R + offs_r, offs_r, r_start
+
+
+@triton.jit
 def _shrink_item(
     x_ptr,
     a_ptr,
@@ -73,16 +89,8 @@ def _shrink_item(
     STACKED: 0, or the S slices whose S·R rows one tile holds (pid_sr is 0; row j of A is
     rank j % R of its slice)."""
     slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
-    if STACKED:
-        rows = tl.arange(0, BLOCK_R)  # [r]: all S·R rows of A, y's columns alike
-        mask_r = (rows < STACKED * R) & (rows % R < rank)
-        r_start = 0
-    else:
-        rank_blocks = tl.cdiv(R, BLOCK_R)
-        r_start = (pid_sr % rank_blocks) * BLOCK_R
-        offs_r = r_start + tl.arange(0, BLOCK_R)
-        rows = (pid_sr // rank_blocks) * R + offs_r
-        mask_r = offs_r < rank
+    rows, rank_index, r_start = shrink_rows(pid_sr, R, BLOCK_R, STACKED)
+    mask_r = rank_index < rank
     if r_start < rank:
         offs_t = t_start + tl.arange(0, BLOCK_T)
         mask_t = offs_t < t_end

@@ -151,6 +151,24 @@ def test_moe_lora_never_reads_past_a_slot_rank(variant) -> None:  # type: ignore
     assert torch.isfinite(got).all()
 
 
+@pytest.mark.parametrize("pool_rank", [12, 20])
+def test_moe_lora_stacked_shrink_tile_with_padding_rows(pool_rank) -> None:  # type: ignore[no-untyped-def]
+    """gate_up's two slices share one shrink tile (S·R rows padded to a power of two): the
+    padding rows must read and write nothing, the rows past a slot's rank neither (NaN)."""
+    segs, pt, pe, t = _moe_case(
+        "zipf", 23, torch.float32, 4, pool_rank=pool_rank, poison=float("nan")
+    )
+    got = moe_lora_gate_up(
+        t["x"], t["inter"].clone(), t["A_gu"], t["B_gu"], pt, pe, segs, variant="runs"
+    )
+    assert torch.isfinite(got).all()
+    assert_close(
+        got,
+        moe_lora_gate_up_ref(t["x"], t["inter"], t["A_gu"], t["B_gu"], pt, pe, segs),
+        torch.float32,
+    )
+
+
 def test_router_int64_experts_are_read_as_they_come() -> None:
     """The model passes the router's int64 expert ids without converting them; every
     variant gives the same delta as with int32 ids."""
