@@ -76,6 +76,13 @@ class PendingLinearLora:
 # and two event waits per module, ~190 modules per step: H100 host profile of a
 # 8192-token prefill step with 32 adapters, bench.serve_offline --profile-kind host).
 SIDE_STREAM_MAX_TOKENS = 1024
+# The side stream's shrink in 2 programs an SM (SGMV "planned_p2") instead of 8. Its grid runs
+# beside the base matmul: with 8 an SM it outlasted the product and the expand waited on it
+# (H200 B=64 × 32 trace, qkv_a: shrink 8.7 µs against cuBLAS's 6.7); alone, 8 an SM is faster
+# (bench.lora_kernels --targets: 8.4 against 8.8 µs). H200, 8-layer decode step (bench.
+# lora_decode_overhead, 2 pairs in one call against "planned"): B=64 × 32 3373.0 / 3373.7 →
+# 3317.2 / 3315.2 µs, B=256 × 32 4690.3 / 4683.0 → 4693.2 / 4700.3.
+SIDE_SHRINK_VARIANT = "planned_p2"
 
 
 def start_linear_lora(
@@ -107,7 +114,10 @@ def start_linear_lora(
         return PendingLinearLora(y, None, segments)
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
-        sgmv_shrink(x, weights.a, segments, num_slices, out=y, zero_unused=False)
+        sgmv_shrink(
+            x, weights.a, segments, num_slices, out=y, zero_unused=False,
+            variant=SIDE_SHRINK_VARIANT,
+        )  # fmt: skip
     return PendingLinearLora(y, side, segments)
 
 
