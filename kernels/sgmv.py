@@ -85,9 +85,8 @@ def _shrink_item(
     ATOMIC_SEM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """y[seg's tokens, slice/rank block pid_sr] (+)= x[:, k_lo:k_lo+k_len] · A[slot]ᵀ.
-    STACKED: 0, or the S slices whose S·R rows one tile holds (pid_sr is 0; row j of A is
-    rank j % R of its slice)."""
+    """y[seg's tokens, slice/rank block pid_sr] (+)= x[:, k_lo:k_lo+k_len] · A[slot]ᵀ;
+    STACKED as in `shrink_rows` (pid_sr is 0 when it is set)."""
     slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
     rows, rank_index, r_start = shrink_rows(pid_sr, R, BLOCK_R, STACKED)
     mask_r = rank_index < rank
