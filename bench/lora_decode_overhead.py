@@ -23,7 +23,9 @@ cost ≤ 0.25.
 `--variants` times several kernel sets side by side on one model and pool (graphs are
 recaptured per set, the no-LoRA step is timed again each time: the spread of the base
 times is the run's noise). `v1` is the kernels as first measured, `serial` the defaults
-with every LoRA kernel on the step's own stream, `new` the defaults.
+with every LoRA kernel on the step's own stream, `new` the defaults. The ablations
+`no_attn_lora`, `no_mlp_lora` and `no_moe_lora` leave one group of modules' LoRA out: the
+time a group's absence saves is its share of the LoRA step.
 
     python -m bench.lora_decode_overhead --out bench/results/lora_decode_overhead.json \
         --variants v1 new
@@ -54,6 +56,7 @@ from inference_svc.engine.batch import BatchMetadata, SequenceStep, build_batch
 from inference_svc.engine.kv_pages import pages_for
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
 from inference_svc.lora import apply
+from inference_svc.lora.attach import lora_targets
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.model.config import parse_config
 from inference_svc.models import deepseek_v3 as model_module
@@ -115,6 +118,43 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
     # instead of kernels.gemv with the LoRA in its launches.
     "one_token_cublas": {(apply, "ONE_TOKEN_LORA_IN_GEMV"): False},
 }
+
+
+# Ablations: one group of modules' LoRA left out (its pool views detached from the model,
+# so the captured graphs hold none of its kernels). What the LoRA step loses with a group
+# left out is that group's share of the step, measured without a profiler: the torch
+# profiler's traces of graph replays stretch a chain of small launches (twenty-third
+# session: a fold the trace put at −52 µs a step measured −10 µs).
+ABLATIONS: dict[str, tuple[str, ...]] = {
+    "no_attn_lora": ("attn.",),
+    "no_kv_b_lora": ("attn.kv_b",),  # kv_b's absorbed corrections (and its prefill delta)
+    "no_attn_linear_lora": ("attn.qkv_a", "attn.q", "attn.o"),  # "attn.q" covers q_b
+    "no_mlp_lora": ("mlp.",),  # the dense layer's MLP and the shared experts
+    "no_moe_lora": ("moe.",),  # the routed experts
+}
+
+
+@contextlib.contextmanager
+def lora_detached(model: model_module.DeepseekV3Model, prefixes: tuple[str, ...]) -> Iterator[None]:
+    """Inside the block, the LoRA modules whose canonical names start with `prefixes` have
+    no pool views (their layers compute the base model only)."""
+    detached = [
+        (owner, attribute, getattr(owner, attribute))
+        for _, module, owner, attribute in lora_targets(model)
+        if module.startswith(prefixes)
+    ]
+    for owner, attribute, _ in detached:
+        setattr(owner, attribute, None)
+    try:
+        yield
+    finally:
+        for owner, attribute, weights in detached:
+            setattr(owner, attribute, weights)
+
+
+def variant(name: str, model: model_module.DeepseekV3Model) -> contextlib.AbstractContextManager:
+    """A kernel set (KERNEL_SETS) or an ablation (ABLATIONS) by name."""
+    return kernel_set(name) if name in KERNEL_SETS else lora_detached(model, ABLATIONS[name])
 
 
 @contextlib.contextmanager
@@ -431,11 +471,9 @@ def run(
     cases = cases or default_cases(batches, setup.num_slots)
     measured = {}
     for name in variants:
-        with kernel_set(name):
-            # A fresh runner (same model and pool) captures its graphs with this set.
-            runner = setup.runner
-            setup.runner = ModelRunner(runner.model, runner.config, runner.lora_pool)
-            del runner
+        # A fresh runner (same model and pool) captures its graphs with this set.
+        renew_runner(setup)
+        with variant(name, setup.model):
             setup.runner.capture_decode_graphs()
             print(f"[{name}] graphs captured at {time.perf_counter() - start:.0f} s")
             rows = measure_steps(setup, cases, profile)
@@ -474,11 +512,27 @@ def run(
     plot(results, out.with_suffix(".png"))
 
 
+def renew_runner(setup: Setup) -> None:
+    """Replace the setup's runner by a fresh one on the same model and pool (no graphs).
+    Before an ablation detaches modules, never inside one: a runner attaches the whole pool."""
+    runner = setup.runner
+    setup.runner = ModelRunner(runner.model, runner.config, runner.lora_pool)
+
+
 def smoke() -> None:
     """CPU: build the same setup at tiny sizes and run one eager step of each batch kind."""
     setup = make_setup(v2_lite_config(2, smoke=True), "cpu", 20, batches=(1, 8), graphs=False)
-    for name in KERNEL_SETS:
-        with kernel_set(name):
+    for name in [*KERNEL_SETS, *ABLATIONS]:
+        renew_runner(setup)  # as `run` does
+        with variant(name, setup.model):
+            held = {module: getattr(owner, attribute) is not None
+                    for _, module, owner, attribute in lora_targets(setup.model)}  # fmt: skip
+            left_out = ABLATIONS.get(name, ())
+            assert (
+                all(held[m] != m.startswith(left_out) for m in held)
+                if left_out
+                else all(held.values())
+            ), f"{name}: modules with LoRA {held}"
             for size in (1, 8):
                 outputs = []
                 for adapters in (0, min(size, setup.num_slots)):
@@ -498,6 +552,7 @@ def smoke() -> None:
             input_ids, batch = prefill_batch(setup, 4, setup.context, 2)
             logits = setup.runner.execute(input_ids, batch)
             assert logits.shape[0] == 4 and torch.isfinite(logits).all()
+    assert all(getattr(owner, attr) is not None for *_, owner, attr in lora_targets(setup.model))
     print("smoke ok")
 
 
@@ -510,8 +565,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (V2-Lite: 27)")
     parser.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
     parser.add_argument(
-        "--variants", nargs="+", default=["new"], choices=list(KERNEL_SETS),
-        help="kernel sets to time side by side",
+        "--variants", nargs="+", default=["new"], choices=[*KERNEL_SETS, *ABLATIONS],
+        help="kernel sets (and ablations) to time side by side",
     )  # fmt: skip
     parser.add_argument(
         "--profile", action="store_true", help="also record µs per kernel class (torch profiler)"

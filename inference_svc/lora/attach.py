@@ -32,7 +32,7 @@ def attach_lora_pool(model: DeepseekV3Model, pool: LoraPool) -> None:
             f"LoRA pool is {pool.dtype} on {pool_device}, the model {model.dtype} on {device}"
         )
     held = set(pool.module_instances())
-    targets = list(_lora_targets(model))
+    targets = list(lora_targets(model))
     missing = [(layer, module) for layer, module, _, _ in targets if (layer, module) not in held]
     extra = held - {(layer, module) for layer, module, _, _ in targets}
     if missing or extra:
@@ -48,7 +48,7 @@ def attach_lora_pool(model: DeepseekV3Model, pool: LoraPool) -> None:
         setattr(owner, attribute, weights)
 
 
-def _lora_targets(model: DeepseekV3Model) -> Iterator[tuple[int, str, nn.Module, str]]:
+def lora_targets(model: DeepseekV3Model) -> Iterator[tuple[int, str, nn.Module, str]]:
     """(layer, canonical module, owning nn.Module, attribute that holds its LoraWeights)."""
     for index, layer in enumerate(model.layers):
         for name in _ATTN:
