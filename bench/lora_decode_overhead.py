@@ -61,6 +61,7 @@ from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.model.config import parse_config
 from inference_svc.models import deepseek_v3 as model_module
 from kernels.lora_segments import build_lora_segments
+from kernels.mla_lora import mla_kv_b_lora_o
 from kernels.moe_lora import moe_lora_down, moe_lora_gate_up
 from kernels.sgmv import sgmv_shrink
 
@@ -76,6 +77,15 @@ GOAL_OVERHEAD, GOAL_MOE_RATIO = 0.15, 0.25
 
 
 def _no_side_stream(device: torch.device) -> None:
+    return None
+
+
+def _zero_kv_b_q(q_nope: torch.Tensor, q_lat: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """kv_b's query correction skipped: q_lat zeroed (the product is added onto it)."""
+    q_lat.zero_()
+
+
+def _skipped(*args: Any, **kwargs: Any) -> None:
     return None
 
 
@@ -117,6 +127,19 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
     # product on the side stream, then the expand; kv_b's corrections as their own launches)
     # instead of kernels.gemv with the LoRA in its launches.
     "one_token_cublas": {(apply, "ONE_TOKEN_LORA_IN_GEMV"): False},
+    # kv_b's output correction (after W_UV's product) with whole weight tiles read at once,
+    # before its PDL wait ("prefetch"), or one program per (segment, head) item ("v1"),
+    # instead of "planned" (16 programs an SM walking the items, weights in 128-row chunks).
+    **{
+        f"kv_b_o_{v}": {(apply, "mla_kv_b_lora_o"): functools.partial(mla_kv_b_lora_o, variant=v)}
+        for v in ("prefetch", "v1")
+    },
+    # Kernel skips, for timing only (the LoRA's result is wrong): kv_b's query correction
+    # (a memset instead), its output correction, and every linear module's SGMV expand.
+    # What a skip saves bounds what a faster or hidden kernel could gain.
+    "skip_kv_b_q": {(apply, "mla_kv_b_lora_q"): _zero_kv_b_q},
+    "skip_kv_b_o": {(apply, "mla_kv_b_lora_o"): _skipped},
+    "skip_expand": {(apply, "sgmv_expand"): _skipped},
 }
 
 

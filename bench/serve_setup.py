@@ -84,6 +84,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=ServeBenchConfig.max_loras,
+        help="GPU slots (fewer when the device memory left holds fewer)",
+    )
     parser.add_argument("--adapter-dir", type=Path, help="where adapter files go (default tmp)")
     parser.add_argument(
         "--experts",
@@ -159,6 +165,7 @@ class ServeBenchConfig:
                 output_len=args.output_len,
                 max_num_seqs=args.max_num_seqs,
                 max_batch_tokens=args.max_batch_tokens,
+                max_loras=args.max_loras,
                 experts=args.experts,
                 adapter_modules=args.adapter_modules,
                 moe_lora_in_gemm=args.moe_lora_in_gemm,
