@@ -24,8 +24,10 @@ cost ≤ 0.25.
 recaptured per set, the no-LoRA step is timed again each time: the spread of the base
 times is the run's noise). `v1` is the kernels as first measured, `serial` the defaults
 with every LoRA kernel on the step's own stream, `new` the defaults. The ablations
-`no_attn_lora`, `no_mlp_lora` and `no_moe_lora` leave one group of modules' LoRA out: the
-time a group's absence saves is its share of the LoRA step.
+(`no_attn_lora`, `no_kv_b_lora`, `no_attn_linear_lora`, `no_mlp_lora`, `no_moe_lora`) leave
+one group of modules' LoRA out: the time a group's absence saves is its share of the LoRA
+step. The skips (`skip_expand`, `skip_kv_b_q`, `skip_kv_b_o`) drop one kernel, for timing
+only: what they save bounds what a faster or hidden kernel could gain.
 
     python -m bench.lora_decode_overhead --out bench/results/lora_decode_overhead.json \
         --variants v1 new
@@ -147,7 +149,7 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
 # so the captured graphs hold none of its kernels). What the LoRA step loses with a group
 # left out is that group's share of the step, measured without a profiler: the torch
 # profiler's traces of graph replays stretch a chain of small launches (twenty-third
-# session: a fold the trace put at −52 µs a step measured −10 µs).
+# session: a fold the trace put at −52 µs a step measured −7 to −11 µs).
 ABLATIONS: dict[str, tuple[str, ...]] = {
     "no_attn_lora": ("attn.",),
     "no_kv_b_lora": ("attn.kv_b",),  # kv_b's absorbed corrections (and its prefill delta)

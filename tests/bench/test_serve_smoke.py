@@ -200,3 +200,17 @@ def test_serve_cold_path_smoke(tmp_path: Path) -> None:
     table = summary.render(summary.lines(tmp_path, out, tmp_path / "no_floor.json"))
     assert "store FetchAdapter → host" in table
     assert "not run" in table  # no GPU results in this folder: shown as such, never made up
+
+
+@pytest.mark.parametrize("flags,slots", [([], 64), (["--max-loras", "128"], 128)])
+def test_engine_flags_size_the_slot_pool(flags: list[str], slots: int) -> None:
+    """`--max-loras` reaches the GPU run's engine config (the smoke run keeps its 2 slots)."""
+    import argparse
+
+    from bench.serve_setup import ServeBenchConfig, add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--out", "x.json", *flags])
+    config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=2)
+    assert config.max_loras == slots
