@@ -4,12 +4,14 @@ first time this code runs."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
 from bench import serve_cold_path, serve_offline, serve_online, summary
+from bench.serve_setup import ServeBenchConfig, add_engine_args
 
 
 def test_serve_offline_smoke(tmp_path: Path) -> None:
@@ -205,10 +207,6 @@ def test_serve_cold_path_smoke(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flags,slots", [([], 64), (["--max-loras", "128"], 128)])
 def test_engine_flags_size_the_slot_pool(flags: list[str], slots: int) -> None:
     """`--max-loras` reaches the GPU run's engine config (the smoke run keeps its 2 slots)."""
-    import argparse
-
-    from bench.serve_setup import ServeBenchConfig, add_engine_args
-
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(["--out", "x.json", *flags])
