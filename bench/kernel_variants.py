@@ -119,6 +119,12 @@ PATCHES = {
     # A single token forks the shared experts before its router runs, as with cuBLAS's
     # router (before the gemv router ran first).
     "gemv_route_first": (model_module, "ROUTE_FIRST_WITH_ROUTER_GEMV", False),
+    # One token's selection (and alignment) as a launch of its own before the grouped GEMMs
+    # (before the gate_up GEMM selected).
+    "select_in_gemm": (moe_layer, "SELECT_IN_GEMM", False),
+    # One token's residual add and input norm as their own launch before qkv_a's GEMV
+    # (before they rode in it).
+    "residual_gemv": (linear_layer, "RESIDUAL_IN_GEMV", False),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {
@@ -131,13 +137,23 @@ VARIANTS: dict[str, frozenset[str]] = {
     "v2": frozenset(),
     **{f"v2-{name}": frozenset({name}) for name in PATCHES},
     **{f"v2+{name}": frozenset({name}) for name in UPGRADES},
-    # The fused selection + alignment launch bypasses both patched functions at decode.
-    "v2-routing": frozenset({"routing", "select_align"}),
-    "v2-align": frozenset({"align", "select_align"}),
-    "v2-fusions": frozenset({"add_norm", "latent_cache", "router_input"}),
+    # The fused selection + alignment launch and the selecting GEMM bypass both patched
+    # functions at decode.
+    "v2-routing": frozenset({"routing", "select_align", "select_in_gemm"}),
+    "v2-align": frozenset({"align", "select_align", "select_in_gemm"}),
+    "v2-fusions": frozenset({"add_norm", "latent_cache", "router_input", "residual_gemv"}),
     # This session's one-token launches, all off (docs/benchmarks.md, thirteenth session).
     "v2-one_token": frozenset(
-        {"router_gemv", "norm_gemv", "absorb_gemv", "silu_gemv", "gemv_route_first", "select_align"}
+        {
+            "router_gemv",
+            "norm_gemv",
+            "absorb_gemv",
+            "silu_gemv",
+            "gemv_route_first",
+            "select_align",
+            "select_in_gemm",
+            "residual_gemv",
+        }  # fmt: skip
     ),
 }
 

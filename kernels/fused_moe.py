@@ -40,6 +40,7 @@ from kernels.int_quant import (
 )
 from kernels.launch import fast
 from kernels.moe_lora import MoeLoraEpilogue, add_pair_lora, first_pair_lora
+from kernels.moe_routing import choose_rows
 from kernels.pdl import grid_dependency_control
 from kernels.sgmv import dot_precision, rank_block
 
@@ -55,6 +56,11 @@ from kernels.sgmv import dot_precision, rank_block
 #               e4m3 MMAs (twice bf16's tensor rate, no weight dequantization), each
 #               product scaled by the row's group scale times the weight's block scale.
 WEIGHT_SCHEMES = {"float": 0, "block": 1, "w8a8": 2, "int4_group": 3, "block_a8": 4}
+# The grouped GEMM's row tiles: MoEAlignment's, or PairTiles whose experts the launch reads
+# from the tiles' topk_ids or selects itself (TokenSelection).
+ALIGNED_TILES = tl.constexpr(0)
+PAIR_TILES = tl.constexpr(1)
+SELECTING_PAIR_TILES = tl.constexpr(2)
 # Schemes with e4m3 block-scaled weights (the FP8 tiles and row-tile rules apply).
 FP8_BLOCK_SCHEMES = ("block", "block_a8")
 
@@ -76,6 +82,44 @@ class MoEAlignment:
     expert_counts: torch.Tensor
     block_m: int
     num_pairs: int
+
+
+@dataclass(frozen=True)
+class PairTiles:
+    """One row tile per pair instead of an alignment: tile j holds pair j alone (its other
+    rows padding), of expert topk_ids.flat[j]. No alignment launch, and for one token, whose
+    k pairs have k distinct experts, each expert's weights are read once, as with
+    MoEAlignment's tiles; more tokens would read an expert's weights once per pair.
+
+    topk_ids: [T, k] int64, as the router chose them (or filled by the launch that selects,
+    `TokenSelection`).
+    """
+
+    topk_ids: torch.Tensor
+    block_m: int
+
+    @property
+    def num_pairs(self) -> int:
+        return self.topk_ids.numel()
+
+
+@dataclass(frozen=True)
+class TokenSelection:
+    """One token's expert selection done by the grouped GEMM over `PairTiles` instead of a
+    launch before it: every program chooses from the router's `logits` [1, E] float32 as
+    `moe_routing.select_experts` does (the same jitted `choose_rows`: the same ids, the
+    weights to float32 rounding), takes its pair's expert, and program (0, 0) stores
+    `weights` [1, k] float32 and the tiles' `topk_ids`.
+
+    bias: noaux_tc's correction bias [E] (None otherwise); constexprs:
+    `moe_routing.selection_constexprs` for the router.
+    """
+
+    logits: torch.Tensor
+    bias: torch.Tensor | None
+    scaling: float
+    constexprs: dict[str, object]
+    weights: torch.Tensor
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -489,6 +533,7 @@ def grouped_gemm_ref(
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
+    pair_ids_ptr, sel_logits_ptr, sel_bias_ptr, sel_weights_ptr, num_experts, sel_scaling,
     N, K, num_pairs, rows_per_a,
     stride_am, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     ly_ptr, lb_ptr, l_pair_token_ptr, l_token_slot_ptr, l_slot_rank_ptr, LORA_R, LORA_B_EXPERTS,
@@ -496,16 +541,33 @@ def _grouped_gemm_kernel(
     BN: tl.constexpr, BK: tl.constexpr, SCHEME: tl.constexpr, SCALE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LORA_SLICES: tl.constexpr, LORA_BLOCK_R: tl.constexpr,
-    LORA_DOT: tl.constexpr,
+    LORA_DOT: tl.constexpr, TILES: tl.constexpr,
+    SEL_TOP_K: tl.constexpr, SEL_METHOD: tl.constexpr, SEL_N_GROUP: tl.constexpr,
+    SEL_TOPK_GROUP: tl.constexpr, SEL_NORM: tl.constexpr, SEL_NORM_EPS: tl.constexpr,
+    SEL_BLOCK_E: tl.constexpr, SEL_BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # SCHEME: 0 float, 1 block-scaled, 2 w8a8, 3 int4_group, 4 block_a8 (WEIGHT_SCHEMES).
     # LORA_SLICES > 0: add the MoeLoraEpilogue (l*/L* arguments) to the tile before rounding.
+    # TILES (ROW_TILES): the alignment's tiles, or PairTiles with the pairs' experts read
+    # from pair_ids or selected here (TokenSelection: sel_* arguments).
     grid_dependency_control()
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_experts_ptr + pid_m)
-    if expert < 0:
-        return
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if TILES == ALIGNED_TILES:
+        expert = tl.load(block_experts_ptr + pid_m)
+        if expert < 0:
+            return
+        pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    else:
+        if TILES == SELECTING_PAIR_TILES:
+            expert = _selected_expert(
+                sel_logits_ptr, sel_bias_ptr, sel_weights_ptr, pair_ids_ptr, num_experts,
+                sel_scaling, pid_m, (pid_m == 0) & (pid_n == 0),
+                SEL_TOP_K, SEL_METHOD, SEL_N_GROUP, SEL_TOPK_GROUP, SEL_NORM, SEL_NORM_EPS,
+                SEL_BLOCK_E, SEL_BLOCK_K,
+            )  # fmt: skip
+        else:
+            expert = tl.load(pair_ids_ptr + pid_m)
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)  # pair pid_m, padding
     real = pair < num_pairs
     a_row = pair // rows_per_a
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -586,6 +648,27 @@ def _grouped_gemm_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _selected_expert(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, scaling, pair, store,
+    TOP_K: tl.constexpr, METHOD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr, NORM_EPS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The expert of `pair` (< TOP_K) of a one-token step, chosen from the router's logits
+    [1, E]; with `store`, the token's weights and ids [1, k] are stored too. The ids are
+    the selection kernels'; the weights equal theirs to float32 rounding (the softmax's
+    sum may be reduced in another order in this kernel's layout)."""
+    weights, ids = choose_rows(
+        logits_ptr, bias_ptr, tl.arange(0, 1), 1, num_experts, 0, scaling,
+        TOP_K, METHOD, N_GROUP, TOPK_GROUP, NORM, NORM_EPS, BLOCK_E, BLOCK_K,
+    )  # fmt: skip
+    k_cols = tl.arange(0, BLOCK_K)[None, :]
+    if store:
+        tl.store(weights_ptr + k_cols, weights, mask=k_cols < TOP_K)
+        tl.store(ids_ptr + k_cols, ids, mask=k_cols < TOP_K)
+    return tl.sum(tl.where(k_cols == pair, ids, 0))
+
+
 def _stored_k(k: int, scheme: str) -> int:
     """Width of the stored weight's last dim for logical K."""
     return cdiv(k, 2) if scheme == "int4_group" else k
@@ -657,15 +740,18 @@ def default_tiles(block_m: int, scheme: str) -> GemmTiles:
 def grouped_gemm(
     a: torch.Tensor | QuantizedRows,
     w: torch.Tensor,
-    align: MoEAlignment,
+    align: MoEAlignment | PairTiles,
     rows_per_a: int,
     w_scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
     scheme: str | None = None,
     tiles: GemmTiles | None = None,
     lora: MoeLoraEpilogue | None = None,
+    selection: TokenSelection | None = None,
 ) -> torch.Tensor:
-    """Triton version of `grouped_gemm_ref` (same arguments and result).
+    """Triton version of `grouped_gemm_ref` (same arguments and result), over the
+    alignment's row tiles or over `PairTiles` (then without `lora`); with `selection`
+    (PairTiles of one token) the launch selects the experts too and stores them.
 
     "w8a8" quantizes `a` per row with `per_token_quant_int8` first (one extra launch),
     "block_a8" per row and K-group of bk with `group_quant_fp8` (one extra launch) unless
@@ -709,10 +795,10 @@ def grouped_gemm(
     a_scale = a_scale if a_scale is not None else w  # unused pointer without scales
     scale = w_scale if w_scale is not None else w  # unused pointer for "float"
     block_n = tiles.block_n
-    grid = (align.block_expert_ids.numel(), cdiv(n, block_n))
-    fast(_grouped_gemm_kernel)[grid](
-        a, a_scale, w, scale, out, align.sorted_pair_ids, align.block_expert_ids,
-        n, k, align.num_pairs, rows_per_a,
+    tile_args, tile_constexprs = _row_tile_arguments(align, selection, lora, out)
+    row_tiles = align.num_pairs if isinstance(align, PairTiles) else align.block_expert_ids.numel()
+    fast(_grouped_gemm_kernel)[(row_tiles, cdiv(n, block_n))](
+        a, a_scale, w, scale, out, *tile_args, n, k, align.num_pairs, rows_per_a,
         a.stride(0), a_scale.stride(0) if scheme == "block_a8" else 0, w.stride(0), w.stride(1),
         scale.stride(0) if w_scale is not None else 0,
         scale.stride(1) if w_scale is not None else 0,
@@ -724,9 +810,55 @@ def grouped_gemm(
         LORA_SLICES=lora.num_slices if lora is not None else 0,
         LORA_BLOCK_R=rank_block(lora.b.shape[3]) if lora is not None else 16,
         LORA_DOT=dot_precision(lora.b.dtype if lora is not None else a.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **tile_constexprs, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out
+
+
+# The selection's constexprs of launches that do not select (never read).
+_NO_SELECTION = {
+    "TOP_K": 1, "METHOD": 0, "N_GROUP": 1, "TOPK_GROUP": 1, "NORM": False, "NORM_EPS": 0.0,
+    "BLOCK_E": 16, "BLOCK_K": 1,
+}  # fmt: skip
+
+
+def _row_tile_arguments(
+    align: MoEAlignment | PairTiles,
+    selection: TokenSelection | None,
+    lora: MoeLoraEpilogue | None,
+    out: torch.Tensor,
+) -> tuple[tuple, dict[str, object]]:
+    """The kernel's row-tile arguments (sorted_ids, block_experts, pair_ids, sel_logits,
+    sel_bias, sel_weights, num_experts, sel_scaling) and its TILES and SEL_* constexprs;
+    placeholders (out) are never read."""
+    if isinstance(align, MoEAlignment):
+        if selection is not None:
+            raise ValueError("a TokenSelection selects for PairTiles, not for an alignment")
+        args = (align.sorted_pair_ids, align.block_expert_ids, out, out, out, out, 0, 1.0)
+        return args, {"TILES": ALIGNED_TILES.value, **_selection_constexprs(_NO_SELECTION)}
+    ids = align.topk_ids
+    if lora is not None or ids.dtype != torch.int64 or not ids.is_contiguous():
+        raise ValueError(
+            f"PairTiles take contiguous int64 topk_ids and no LoRA: ids {tuple(ids.shape)} "
+            f"{ids.dtype}, lora {lora is not None}"
+        )
+    if selection is None:
+        args = (out, out, ids, out, out, out, 0, 1.0)
+        return args, {"TILES": PAIR_TILES.value, **_selection_constexprs(_NO_SELECTION)}
+    logits, weights = selection.logits, selection.weights
+    if logits.shape[0] != 1 or ids.shape != weights.shape or ids.shape[0] != 1:
+        raise ValueError(
+            f"a TokenSelection is one token's: logits {tuple(logits.shape)}, weights "
+            f"{tuple(weights.shape)}, ids {tuple(ids.shape)}"
+        )
+    bias = selection.bias if selection.bias is not None else logits
+    args = (out, out, ids, logits, bias, weights, logits.shape[1], float(selection.scaling))
+    constexprs = _selection_constexprs(selection.constexprs)
+    return args, {"TILES": SELECTING_PAIR_TILES.value, **constexprs}
+
+
+def _selection_constexprs(constexprs: dict[str, object]) -> dict[str, object]:
+    return {f"SEL_{name}": value for name, value in constexprs.items()}
 
 
 def _lora_arguments(

@@ -37,7 +37,7 @@ from kernels.host_math import cdiv, next_power_of_2
 from kernels.launch import fast
 from kernels.lora_segments import rank_alignment, rank_load_bound
 from kernels.pdl import grid_dependency_control
-from kernels.rms_norm import rms_normalize_row
+from kernels.rms_norm import ResidualSum, RoutedPairs, residual_sum_row, rms_normalize_row
 
 MAX_K = 4096
 # Weight elements one program holds (64 per thread at 8 warps): all programs resident.
@@ -62,13 +62,17 @@ def _gemv_kernel(
     stride_xb, stride_wb, stride_wn, stride_wk, stride_yb, eps,
     token_slot_ptr, slot_rank_ptr, lora_y_ptr, u_ptr, v_ptr, R, slice_1, slice_2,
     stride_us, stride_ub, stride_uk, stride_ur, stride_vs, stride_vb, stride_vn, stride_vr,
+    a_ptr, b_ptr, pairs_ptr, pair_w_ptr, h_ptr, stride_a, stride_b, stride_pairs,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
     SHRINK: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr, RANK_ALIGN: tl.constexpr,
-    U_CHUNK: tl.constexpr,
+    U_CHUNK: tl.constexpr, RESIDUAL: tl.constexpr, TOPK: tl.constexpr,
+    TENSOR_ADDENDS: tl.constexpr,
 ):  # fmt: skip
     """y[b, n-block] = Σ_k x̂[b, k] · W[b, n, k], float32 accumulation; x̂ = x, with NORM
     x's RMSNorm, with GATED silu(x[:K]) · x[K:2K], each rounded to x's dtype as the
-    kernel it replaces stores it (kernels.rms_norm, kernels.fused_moe.silu_mul).
+    kernel it replaces stores it (kernels.rms_norm, kernels.fused_moe.silu_mul). RESIDUAL
+    (with NORM): x is the residual, the row normed is h = x + addends (a / b / pairs:
+    `residual_sum_row`), and program 0 stores h (h_ptr, one row).
 
     One token's LoRA, its slot s = token_slot[0] (-1: none) and rank = slot_rank[s]:
     SHRINK: W is A[s] (batch s), rows whose index within their slice (of R) is ≥ rank are
@@ -114,7 +118,16 @@ def _gemv_kernel(
         if U_CHUNK == BLOCK_K:  # the whole tile, before the wait
             u_w = _u_columns(u_rows, offs_k, mask_r, mask_k, stride_uk)  # [r, k]
     grid_dependency_control()
-    x = tl.load(x_ptr + batch * stride_xb + offs_k, mask=mask_k, other=0.0)  # [k]
+    if RESIDUAL:
+        x = residual_sum_row(
+            x_ptr, a_ptr, b_ptr, pairs_ptr, pair_w_ptr, batch, offs_k, mask_k,
+            stride_xb, stride_a, stride_b, stride_pairs, x_ptr.dtype.element_ty,
+            TOPK, TENSOR_ADDENDS,
+        )  # fmt: skip
+        if tl.program_id(0) == 0:
+            tl.store(h_ptr + offs_k, x, mask=mask_k)
+    else:
+        x = tl.load(x_ptr + batch * stride_xb + offs_k, mask=mask_k, other=0.0)  # [k]
     if NORM:
         x = rms_normalize_row(x, norm_w_ptr, offs_k, mask_k, K, eps).to(x.dtype)
     if GATED:
@@ -229,6 +242,17 @@ class GemvLora:
         return next_power_of_2(max(self.pool_rank, 16))
 
 
+@dataclass(frozen=True)
+class ResidualAdd:
+    """The decoder's residual add before a norm, done in `gemv`'s prologue instead of its
+    own launch (`kernels.rms_norm.add_rms_norm`): gemv's x is the residual, the row normed
+    is h = x + Σ addends (add_rms_norm's sums and rounding; the first addend may be
+    RoutedPairs), and the launch stores h [1, K] into `h`."""
+
+    addends: tuple[Tensor | RoutedPairs, ...]
+    h: Tensor
+
+
 # Elements of the absorbed corrections' [R, K] u weight tile a program holds beside its
 # weight tile, read before the PDL wait (kv_b at rank 16: 16 × 512). A larger one (rank 64:
 # 64 × 512) is read after the wait in pieces of this size.
@@ -242,11 +266,14 @@ def gemv(
     eps: float = 0.0,
     gated: bool = False,
     lora: GemvLora | None = None,
+    residual: ResidualAdd | None = None,
 ) -> Tensor:
     """Semantics: x [1, K] @ weight [N, K]ᵀ → [1, N] in x's dtype (K ≤ MAX_K); with
     `norm_weight` [K], rms_norm(x, norm_weight, eps) @ weightᵀ (kernels.rms_norm's rounding);
     `gated`: x [1, 2K] = gate ⊕ up, and silu_mul(x) @ weightᵀ (kernels.fused_moe's);
-    `lora`: plus its delta (GemvLora), rounded with the product once.
+    `lora`: plus its delta (GemvLora), rounded with the product once; `residual` (with
+    `norm_weight`, without `lora`): h, y = add_rms_norm(x, residual.addends, norm_weight,
+    eps), residual.h ← h, and y @ weightᵀ.
     """
     if not gemv_fits(x, weight, gated) or (gated and norm_weight is not None):
         raise ValueError(
@@ -254,10 +281,22 @@ def gemv(
             f"width 2K when gated (then no norm): x {tuple(x.shape)} {x.dtype}, weight "
             f"{tuple(weight.shape)} {weight.dtype}, gated {gated}"
         )
+    if residual is not None and (
+        norm_weight is None or lora is not None or not _fits_h(x, residual.h)
+    ):
+        raise ValueError(
+            "a residual add rides in gemv before its norm, without LoRA, storing h like x: "
+            f"norm {norm_weight is not None}, lora {lora is not None}, h "
+            f"{tuple(residual.h.shape)} {residual.h.dtype}"
+        )
     _check_lora(lora, 1, *weight.shape)
     y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
-    _launch(x, weight.unsqueeze(0), y, norm_weight, eps, gated, lora)
+    _launch(x, weight.unsqueeze(0), y, norm_weight, eps, gated, lora, residual=residual)
     return y
+
+
+def _fits_h(x: Tensor, h: Tensor) -> bool:
+    return h.shape == x.shape and h.dtype == x.dtype and h.is_contiguous()
 
 
 def gemv_lora_shrink(
@@ -340,6 +379,7 @@ def _launch(
     gated: bool,
     lora: GemvLora | None,
     shrink: tuple[Tensor, Tensor, int] | None = None,
+    residual: ResidualAdd | None = None,
 ) -> None:
     """x [B, K], weight [B, N, K] ([slots, N, K] with `shrink` = (token_slot, slot_rank,
     R)), y [B, N]: one program per (BLOCK_N rows, b)."""
@@ -352,12 +392,21 @@ def _launch(
     if lora is not None:
         token_slot, slot_rank, pool_rank = lora.token_slot, lora.slot_rank, lora.pool_rank
     pointers, bounds_and_strides, lora_meta = _lora_args(lora, y)
+    if residual is not None:
+        sums = ResidualSum.of(x, residual.addends)
+        a, b, pairs, pair_weights = sums.pointers
+        residual_args = (a, b, pairs, pair_weights, residual.h, a.stride(0), b.stride(0),
+                         pairs.stride(0))  # fmt: skip
+        residual_meta = {"RESIDUAL": True, **sums.constexprs}
+    else:  # never read
+        residual_args = (x, x, x, x, x, 0, 0, 0)
+        residual_meta = {"RESIDUAL": False, "TOPK": 0, "TENSOR_ADDENDS": 0}
     fast(_gemv_kernel)[(cdiv(n_dim, block_n), batch)](
         x, weight, y, x if norm_weight is None else norm_weight, n_dim, k_dim,
         x.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0), eps,
-        token_slot, slot_rank, *pointers, pool_rank, *bounds_and_strides,
+        token_slot, slot_rank, *pointers, pool_rank, *bounds_and_strides, *residual_args,
         BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None, GATED=gated,
-        SHRINK=shrink is not None, **lora_meta, num_warps=8,
+        SHRINK=shrink is not None, **lora_meta, **residual_meta, num_warps=8,
     )  # fmt: skip
 
 

@@ -126,16 +126,17 @@ def _best_groups(
 
 
 @triton.jit
-def select_rows(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, rows, num_tokens, num_experts, stride_l, scaling,
+def choose_rows(
+    logits_ptr, bias_ptr, rows, num_tokens, num_experts, stride_l, scaling,
     TOP_K: tl.constexpr, METHOD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
     NORM: tl.constexpr, NORM_EPS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Select the experts of `rows` [BLOCK_T] (those < num_tokens) and store their weights
-    and ids [T, k]; shared by every kernel that selects, so they all choose alike."""
+    """The experts of `rows` [BLOCK_T] (rows ≥ num_tokens choose from row 0's logits):
+    weights [BLOCK_T, BLOCK_K] float32 and ids [BLOCK_T, BLOCK_K] int64, column j < TOP_K
+    the j-th choice. Shared by every kernel that selects, so they all choose alike."""
     cols = tl.arange(0, BLOCK_E)
-    row_ok, col_ok = rows < num_tokens, cols < num_experts
-    rows64 = tl.where(row_ok, rows, 0).to(tl.int64)  # rows past T read row 0, never stored
+    col_ok = cols < num_experts
+    rows64 = tl.where(rows < num_tokens, rows, 0).to(tl.int64)  # rows past T read row 0
     logit = tl.load(
         logits_ptr + rows64[:, None] * stride_l + cols[None, :],
         mask=col_ok[None, :],
@@ -176,8 +177,25 @@ def select_rows(
         weights = weights / (tl.sum(weights, axis=1)[:, None] + NORM_EPS)
     if METHOD == 2 or not NORM:
         weights = weights * scaling
+    return weights, ids
+
+
+@triton.jit
+def select_rows(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, rows, num_tokens, num_experts, stride_l, scaling,
+    TOP_K: tl.constexpr, METHOD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr, NORM_EPS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Select the experts of `rows` [BLOCK_T] (those < num_tokens) and store their weights
+    and ids [T, k] (`choose_rows`)."""
+    weights, ids = choose_rows(
+        logits_ptr, bias_ptr, rows, num_tokens, num_experts, stride_l, scaling,
+        TOP_K, METHOD, N_GROUP, TOPK_GROUP, NORM, NORM_EPS, BLOCK_E, BLOCK_K,
+    )  # fmt: skip
+    rows64 = tl.where(rows < num_tokens, rows, 0).to(tl.int64)
+    k_cols = tl.arange(0, BLOCK_K)
     out = rows64[:, None] * TOP_K + k_cols[None, :]
-    mask = row_ok[:, None] & (k_cols[None, :] < TOP_K)
+    mask = (rows < num_tokens)[:, None] & (k_cols[None, :] < TOP_K)
     tl.store(weights_ptr + out, weights, mask=mask)
     tl.store(ids_ptr + out, ids, mask=mask)
 

@@ -94,19 +94,15 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _add_rms_norm_kernel(
-    res_ptr, a_ptr, b_ptr, pairs_ptr, pair_w_ptr, w_ptr, h_ptr, y_ptr, y_float_ptr, D,
-    stride_res, stride_a, stride_b, stride_pairs, stride_h, stride_y, stride_yf, eps,
-    TOPK: tl.constexpr, TENSOR_ADDENDS: tl.constexpr, FLOAT_COPY: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+def residual_sum_row(
+    res_ptr, a_ptr, b_ptr, pairs_ptr, pair_w_ptr, row, cols, mask,
+    stride_res, stride_a, stride_b, stride_pairs, dtype,
+    TOPK: tl.constexpr, TENSOR_ADDENDS: tl.constexpr,
 ):  # fmt: skip
-    # The first addend is the routed pairs' combine (TOPK > 0, as moe_combine sums it) or
-    # a; then b (or a after the pairs) when there are two.
-    grid_dependency_control()
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    dtype = h_ptr.dtype.element_ty
+    """h = residual + (a₀ + a₁) of one row, each sum rounded to dtype (`add_rms_norm_ref`).
+    The first addend is the routed pairs' combine (TOPK > 0, as moe_combine sums it) or a;
+    then b (or a after the pairs) when there are two. Shared by every kernel that adds the
+    residual, so they all round alike."""
     if TOPK > 0:
         acc = weighted_pair_sum(pairs_ptr, pair_w_ptr, row, cols, mask, stride_pairs, TOPK)
         total = acc.to(dtype)
@@ -119,7 +115,25 @@ def _add_rms_norm_kernel(
             b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
             total = (total.to(tl.float32) + b.to(tl.float32)).to(dtype)
     res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-    h = (res.to(tl.float32) + total.to(tl.float32)).to(dtype)
+    return (res.to(tl.float32) + total.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    res_ptr, a_ptr, b_ptr, pairs_ptr, pair_w_ptr, w_ptr, h_ptr, y_ptr, y_float_ptr, D,
+    stride_res, stride_a, stride_b, stride_pairs, stride_h, stride_y, stride_yf, eps,
+    TOPK: tl.constexpr, TENSOR_ADDENDS: tl.constexpr, FLOAT_COPY: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    grid_dependency_control()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    h = residual_sum_row(
+        res_ptr, a_ptr, b_ptr, pairs_ptr, pair_w_ptr, row, cols, mask,
+        stride_res, stride_a, stride_b, stride_pairs, h_ptr.dtype.element_ty,
+        TOPK, TENSOR_ADDENDS,
+    )  # fmt: skip
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
     y = rms_normalize_row(h, w_ptr, cols, mask, D, eps).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
@@ -158,27 +172,9 @@ def add_rms_norm(
     copy in one launch (the torch form is one launch per add plus the norm's, the
     combine's and the conversion's), one program per row."""
     rows, dim = residual.shape
-    if not 1 <= len(addends) <= 2 or any(isinstance(a, RoutedPairs) for a in addends[1:]):
-        raise ValueError(f"one or two addends, only the first routed pairs; got {len(addends)}")
-    routed = addends[0] if isinstance(addends[0], RoutedPairs) else None
-    tensors = [a for a in addends if not isinstance(a, RoutedPairs)]
-    if any(t.shape != (rows, dim) or t.dtype != residual.dtype for t in (residual, *tensors)):
-        raise ValueError(
-            f"residual and addends must share shape and dtype: "
-            f"{[(tuple(t.shape), t.dtype) for t in (residual, *tensors)]}"
-        )
-    top_k = 0
-    pairs, pair_weights = residual, residual  # never read without routed pairs
-    if routed is not None:
-        top_k = routed.topk_weights.shape[1]
-        pairs, pair_weights = routed.pair_out, routed.topk_weights.float().contiguous()
-        if pairs.shape != (rows * top_k, dim) or pairs.dtype != residual.dtype:
-            raise ValueError(
-                f"routed pair_out {tuple(pairs.shape)} {pairs.dtype} is not [T·k, D] = "
-                f"[{rows * top_k}, {dim}] of {residual.dtype}"
-            )
-    if weight.shape != (dim,) or any(t.stride(-1) != 1 for t in (residual, pairs, *tensors)):
-        raise ValueError(f"weight {tuple(weight.shape)} must be [D]; rows need unit stride")
+    sums = ResidualSum.of(residual, addends)
+    if weight.shape != (dim,):
+        raise ValueError(f"weight {tuple(weight.shape)} must be [D]")
     if y_float is not None and (
         y_float.shape != (rows, dim) or y_float.dtype != torch.float32 or y_float.stride(-1) != 1
     ):
@@ -188,15 +184,51 @@ def add_rms_norm(
         (rows, dim), dtype=torch.promote_types(residual.dtype, weight.dtype), device=h.device
     )
     if rows:
-        a = tensors[0] if tensors else residual
-        b = tensors[-1] if tensors else residual
         block = next_power_of_2(dim)
         y32 = y_float if y_float is not None else out  # never written without a copy
+        a, b, pairs, pair_weights = sums.pointers
         fast(_add_rms_norm_kernel)[(rows,)](
             residual, a, b, pairs, pair_weights, weight, h, out, y32, dim,
             residual.stride(0), a.stride(0), b.stride(0), pairs.stride(0), h.stride(0),
-            out.stride(0), y32.stride(0), eps,
-            TOPK=top_k, TENSOR_ADDENDS=len(tensors), FLOAT_COPY=y_float is not None,
-            BLOCK_D=block, num_warps=_num_warps(block),
+            out.stride(0), y32.stride(0), eps, **sums.constexprs,
+            FLOAT_COPY=y_float is not None, BLOCK_D=block, num_warps=_num_warps(block),
         )  # fmt: skip
     return h, out
+
+
+class ResidualSum(NamedTuple):
+    """`residual_sum_row`'s addend arguments for a residual [T, D] and one or two addends
+    (the first may be RoutedPairs): pointers (a, b, pairs, pair weights; the residual where
+    an addend is absent, never read) and constexprs (TOPK, TENSOR_ADDENDS)."""
+
+    pointers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    constexprs: dict[str, int]
+
+    @staticmethod
+    def of(residual: torch.Tensor, addends: tuple[torch.Tensor | RoutedPairs, ...]) -> ResidualSum:
+        rows, dim = residual.shape
+        if not 1 <= len(addends) <= 2 or any(isinstance(a, RoutedPairs) for a in addends[1:]):
+            raise ValueError(f"one or two addends, only the first routed pairs; got {len(addends)}")
+        routed = addends[0] if isinstance(addends[0], RoutedPairs) else None
+        tensors = [a for a in addends if not isinstance(a, RoutedPairs)]
+        if any(t.shape != (rows, dim) or t.dtype != residual.dtype for t in (residual, *tensors)):
+            raise ValueError(
+                f"residual and addends must share shape and dtype: "
+                f"{[(tuple(t.shape), t.dtype) for t in (residual, *tensors)]}"
+            )
+        top_k = 0
+        pairs, pair_weights = residual, residual  # never read without routed pairs
+        if routed is not None:
+            top_k = routed.topk_weights.shape[1]
+            pairs, pair_weights = routed.pair_out, routed.topk_weights.float().contiguous()
+            if pairs.shape != (rows * top_k, dim) or pairs.dtype != residual.dtype:
+                raise ValueError(
+                    f"routed pair_out {tuple(pairs.shape)} {pairs.dtype} is not [T·k, D] = "
+                    f"[{rows * top_k}, {dim}] of {residual.dtype}"
+                )
+        if any(t.stride(-1) != 1 for t in (residual, pairs, *tensors)):
+            raise ValueError("the residual and addend rows need unit stride")
+        a = tensors[0] if tensors else residual
+        b = tensors[-1] if tensors else residual
+        constexprs = {"TOPK": top_k, "TENSOR_ADDENDS": len(tensors)}
+        return ResidualSum((a, b, pairs, pair_weights), constexprs)

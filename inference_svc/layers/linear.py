@@ -22,7 +22,7 @@ from inference_svc.lora.apply import (
 )
 from kernels import fused_moe as fm
 from kernels.fp8 import fp8_block_linear, fp8_block_linear_ref
-from kernels.gemv import gemv, gemv_fits
+from kernels.gemv import ResidualAdd, gemv, gemv_fits
 from kernels.lora_segments import LoraSegments
 
 # A norm handed to `Linear.forward` rides in the one-token kernel (kernels.gemv) instead of
@@ -33,6 +33,11 @@ NORM_IN_GEMV = True
 # shared experts' branch and the dense layer, no gain resolved at B=1 (patch "silu_gemv":
 # 2.901 → 2.775 / 2.836 ms in one call, 2.699 → 2.704 / 2.722 in another).
 SILU_IN_GEMV = True
+# And a decoder's residual add before that norm (`Linear.forward`'s `residual`): the layer's
+# input norm, with the previous layer's MoE combine, rides in qkv_a's one-token kernel (one
+# launch fewer per layer). Measured in docs/benchmarks.md (twenty-fourth session; bench
+# patch "residual_gemv" turns it off).
+RESIDUAL_IN_GEMV = True
 
 
 class Linear(nn.Module):
@@ -62,21 +67,36 @@ class Linear(nn.Module):
         """Load checkpoint `tensor` as slice `slice_index` of the fused weight."""
         self.quant.load(self, kind, tensor, sum(self.output_sizes[:slice_index]), None)
 
+    def takes_residual(self, x: torch.Tensor, lora: LoraSegments | None) -> bool:
+        """Whether `forward` takes a `residual` add for x [T, in] in this step: its one-token
+        kernel, with no LoRA on this module (RESIDUAL_IN_GEMV)."""
+        has_lora = lora is not None and self.lora is not None
+        return RESIDUAL_IN_GEMV and NORM_IN_GEMV and not has_lora and self._one_token(x, False)
+
+    def _one_token(self, x: torch.Tensor, gated: bool) -> bool:
+        info = self.quant.quant_info(self)
+        return info.scale is None and x.is_cuda and gemv_fits(x, info.weight, gated)
+
     def forward(
         self,
         x: torch.Tensor,
         lora: LoraSegments | None = None,
         norm: RMSNorm | None = None,
         gated: bool = False,
+        residual: ResidualAdd | None = None,
     ) -> torch.Tensor:
         """x [T, in] → [T, out]; plus each token's LoRA delta when `lora` describes x.
         `norm`: x is normed by it first; `gated`: x [T, 2·in] is gate ⊕ up and the input is
-        silu(gate)·up. Both ride in the one-token kernel where that runs."""
+        silu(gate)·up. Both ride in the one-token kernel where that runs. `residual` (with
+        `norm`, where `takes_residual`): x is the residual stream, the input is norm(h) for
+        h = x + Σ residual.addends, and the kernel stores h into residual.h."""
         info = self.quant.quant_info(self)
         has_lora = lora is not None and self.lora is not None
+        if residual is not None and (norm is None or not self.takes_residual(x, lora)):
+            raise ValueError("a residual add rides only in the one-token kernel, with its norm")
         # One token: the weight-streaming kernel (kernels.gemv), with LoRA its shrink launched
         # just before it and its expand in its epilogue (lora_apply.ONE_TOKEN_LORA_IN_GEMV).
-        one_token = info.scale is None and x.is_cuda and gemv_fits(x, info.weight, gated)
+        one_token = self._one_token(x, gated)
         if one_token and (not has_lora or lora_apply.ONE_TOKEN_LORA_IN_GEMV):
             if norm is not None and not NORM_IN_GEMV:
                 x, norm = norm(x), None
@@ -88,7 +108,7 @@ class Linear(nn.Module):
                 gemv_lora = one_token_linear_lora(
                     x, self.lora, lora, self.slice_offsets, *norm_args, gated=gated
                 )
-            return gemv(x, info.weight, *norm_args, gated=gated, lora=gemv_lora)
+            return gemv(x, info.weight, *norm_args, gated=gated, lora=gemv_lora, residual=residual)
         if norm is not None:
             x = norm(x)
         if gated:

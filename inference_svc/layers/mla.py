@@ -31,7 +31,7 @@ from inference_svc.lora.apply import (
     set_kv_b_absorbed_q,
 )
 from inference_svc.model.config import ModelConfig
-from kernels.gemv import gemv_per_head, gemv_per_head_fits
+from kernels.gemv import ResidualAdd, gemv_per_head, gemv_per_head_fits
 from kernels.latent_cache import write_latent_cache, write_latent_cache_ref
 from kernels.mla_attention import mla_decode, mla_decode_ref
 from kernels.mla_prefill import mla_prefill_varlen, mla_prefill_varlen_ref
@@ -83,6 +83,13 @@ class MLAAttention(nn.Module):
         w = self.kv_b.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
+    def takes_input_norm(self, x: torch.Tensor, batch: BatchMetadata) -> bool:
+        """Whether `forward` can take the decoder's residual add and input norm for x
+        [T, hidden]: every linear that reads the input takes them (Linear.takes_residual)."""
+        lora = batch.lora.tokens if batch.lora is not None else None
+        readers = (self.qkv_a,) if self.q_lora_rank is not None else (self.qkv_a, self.q)
+        return all(linear.takes_residual(x, lora) for linear in readers)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -90,13 +97,18 @@ class MLAAttention(nn.Module):
         rope: RotaryEmbedding,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_pool: torch.Tensor,
+        input_norm: tuple[RMSNorm, ResidualAdd] | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden] → [T, hidden]; writes this step's latent rows into `kv_pool`."""
+        """x [T, hidden] → [T, hidden]; writes this step's latent rows into `kv_pool`.
+        `input_norm` (where `takes_input_norm`): x is the residual stream, the attention's
+        input is norm(h) for h = x + Σ addends, made by the linears that read it, which
+        store h into the ResidualAdd's h."""
         tokens = x.shape[0]
         lora = batch.lora.tokens if batch.lora is not None else None
-        qkv_a = self.qkv_a(x, lora)
+        norm, residual = input_norm if input_norm is not None else (None, None)
+        qkv_a = self.qkv_a(x, lora, norm=norm, residual=residual)
         if self.q_lora_rank is None:
-            q = self.q(x, lora)
+            q = self.q(x, lora, norm=norm, residual=residual)
             kv_a = qkv_a
         else:
             q_a, kv_a = qkv_a.split([self.q_lora_rank, qkv_a.shape[-1] - self.q_lora_rank], -1)

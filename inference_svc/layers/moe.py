@@ -47,6 +47,26 @@ class DenseMLP(nn.Module):
         return self.down(gate_up, lora, gated=True)
 
 
+class MoeRouting(NamedTuple):
+    """The router's choice for a batch: weights [T, k] float32, ids [T, k] int64, and the
+    grouped GEMMs' row tiles: the (token, expert) pairs aligned, or one tile per pair. With
+    `selection`, the weights and ids are empty until the first grouped GEMM's launch
+    selects from the router's logits and stores them (fm.TokenSelection)."""
+
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    align: fm.MoEAlignment | fm.PairTiles | None
+    selection: fm.TokenSelection | None = None
+
+
+# One token's experts are chosen inside its first grouped GEMM (fm.TokenSelection over
+# fm.PairTiles) when the routed experts run without LoRA: every program of the gate_up
+# launch selects for itself, so neither a selection launch nor an alignment sits between
+# the router's GEMV and the expert weights' reads. Measured in docs/benchmarks.md
+# (twenty-fourth session; bench patch "select_in_gemm" turns it off).
+SELECT_IN_GEMM = True
+
+
 # One token's router logits through kernels.gemv (float32 weights read before the PDL wait)
 # instead of cuBLAS's GEMV pair (dot_kernel + reduce_1Block, ~11 µs per MoE layer in a
 # graphed B=1 step, launched only after the norm had finished). H100, 27-layer V2-Lite
@@ -70,19 +90,44 @@ class Router(nn.Module):
             )
 
     def forward(
-        self, x: torch.Tensor, x_float: torch.Tensor | None = None, block_m: int | None = None
-    ) -> tuple[torch.Tensor, ...]:
+        self,
+        x: torch.Tensor,
+        x_float: torch.Tensor | None = None,
+        block_m: int | None = None,
+        select_in_gemm: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | MoeRouting:
         """x [T, hidden] → topk_weights [T, k] float32, topk_ids [T, k] int64; x_float: x as
-        float32 when the caller has it already. With `block_m`, a third element: the pairs
-        aligned into row tiles of block_m when the selection's launch aligned them too
-        (SELECT_AND_ALIGN_MAX_TOKENS), else None. (Every routed token passes through here,
-        where hooks see it.)"""
+        float32 when the caller has it already. With `block_m`, a MoeRouting whose row tiles
+        are the pairs aligned into tiles of block_m when the selection's launch aligned
+        them too (SELECT_AND_ALIGN_MAX_TOKENS), one tile per pair with the selection left
+        to the first grouped GEMM (`select_in_gemm`, where `selects_in_gemm`), else None.
+        (Every routed token passes through here, where hooks see it.)"""
         logits = self.logits(x, x_float)  # [T, E]
+        if block_m is not None and select_in_gemm and self.selects_in_gemm(x):
+            return self._selection_in_gemm(logits, block_m)
         if block_m is not None and self._aligns_in_selection(x):
-            return select_and_align(logits, *self.selection_args(), block_m)
+            return MoeRouting(*select_and_align(logits, *self.selection_args(), block_m))
         select = select_experts if self.selects_in_kernel(x) else select_experts_ref
         weights, ids = select(logits, *self.selection_args())
-        return (weights, ids) if block_m is None else (weights, ids, None)
+        return (weights, ids) if block_m is None else MoeRouting(weights, ids, None)
+
+    def selects_in_gemm(self, x: torch.Tensor) -> bool:
+        """Whether one token's selection can ride in its first grouped GEMM (SELECT_IN_GEMM;
+        the routers the selection kernel takes)."""
+        return SELECT_IN_GEMM and x.shape[0] == 1 and self.selects_in_kernel(x)
+
+    def _selection_in_gemm(self, logits: torch.Tensor, block_m: int) -> MoeRouting:
+        """Empty weights and ids [1, k], one row tile per pair, and what the grouped GEMM
+        selects from: logits [1, E] float32."""
+        r = self.routing
+        weights = logits.new_empty((1, r.top_k))
+        ids = torch.empty((1, r.top_k), dtype=torch.int64, device=logits.device)
+        top_k, method, n_group, topk_group, norm, scaling, bias = self.selection_args()
+        constexprs = moe_routing.selection_constexprs(
+            logits.shape[1], top_k, method, n_group, topk_group, norm
+        )
+        selection = fm.TokenSelection(logits, bias, scaling, constexprs, weights)
+        return MoeRouting(weights, ids, fm.PairTiles(ids, block_m), selection)
 
     def _aligns_in_selection(self, x: torch.Tensor) -> bool:
         r = self.routing
@@ -161,15 +206,6 @@ class RoutedExperts(nn.Module):
 SELECT_AND_ALIGN_MAX_TOKENS = 1
 
 
-class MoeRouting(NamedTuple):
-    """The router's choice for a batch: weights [T, k] float32, ids [T, k] int64, and the
-    (token, expert) pairs aligned into the grouped GEMMs' row tiles."""
-
-    topk_weights: torch.Tensor
-    topk_ids: torch.Tensor
-    align: fm.MoEAlignment
-
-
 class MoE(nn.Module):
     """Routed experts: route → align → gate_up → SiLU·mul → down → combine."""
 
@@ -183,18 +219,28 @@ class MoE(nn.Module):
         self.lora_gate_up: LoraWeights | None = None
         self.lora_down: LoraWeights | None = None
 
-    def route(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> MoeRouting:
-        """x [T, hidden] → each token's experts and weights, and the pairs aligned for the
-        grouped GEMMs. x_float: x as float32 for the router, when the caller made it."""
+    def route(
+        self,
+        x: torch.Tensor,
+        x_float: torch.Tensor | None = None,
+        lora: LoraSegments | None = None,
+    ) -> MoeRouting:
+        """x [T, hidden] → each token's experts and weights, and the grouped GEMMs' row
+        tiles. x_float: x as float32 for the router, when the caller made it; lora: the
+        step's, with which the experts' LoRA needs the pairs aligned."""
         w13 = self.experts.quant_info()[0]
         scheme = fm.weight_scheme(w13.scheme, w13.scale)
         num_experts = self.experts.num_experts
         block_m = fm.moe_block_m(x.shape[0] * self.gate.routing.top_k, num_experts, scheme)
-        topk_weights, topk_ids, align = self.gate(x, x_float, block_m)  # [T, k], [T, k]
-        if align is None:
+        routing = self.gate(x, x_float, block_m, select_in_gemm=not self._has_lora(lora))
+        if routing.align is None:
             aligner = fm.moe_align if x.is_cuda else fm.moe_align_ref
-            align = aligner(topk_ids, num_experts, block_m)
-        return MoeRouting(topk_weights, topk_ids, align)
+            routing = routing._replace(align=aligner(routing.topk_ids, num_experts, block_m))
+        return routing
+
+    def _has_lora(self, lora: LoraSegments | None) -> bool:
+        """Whether the step adds the routed experts' LoRA (a pool attached, a LoRA step)."""
+        return lora is not None and self.lora_gate_up is not None and self.lora_down is not None
 
     def forward(
         self,
@@ -209,17 +255,15 @@ class MoE(nn.Module):
         x_float: x as float32 for the router, when the caller made it; routing: `route`'s
         result for x, when the caller routed already."""
         if routing is None:
-            routing = self.route(x, x_float)
-        topk_weights, topk_ids, align = routing
+            routing = self.route(x, x_float, lora)
+        topk_weights, topk_ids, align, selection = routing
         w13, w2 = self.experts.quant_info()
         triton_path = x.is_cuda
         num_experts = self.experts.num_experts
         scheme = fm.weight_scheme(w13.scheme, w13.scale)
         gemm = fm.grouped_gemm if triton_path else fm.grouped_gemm_ref
         top_k = topk_ids.shape[1]
-        with_lora = (
-            lora is not None and self.lora_gate_up is not None and self.lora_down is not None
-        )
+        with_lora = self._has_lora(lora)
         in_gemm = with_lora and moe_lora_in_gemm(
             lora, top_k, num_experts, quantized=w13.scale is not None
         )
@@ -230,8 +274,9 @@ class MoE(nn.Module):
             pairs = (pair_token, pair_expert, lora, align.sorted_pair_ids)
             if in_gemm:
                 fused = start_moe_lora(x, self.lora_gate_up, *pairs, per_pair=False)
+        selects = {} if selection is None else {"selection": selection}  # the Triton path's
         gate_up = gemm(
-            x, w13.weight, align, top_k, w13.scale, w13.block, w13.scheme, lora=fused
+            x, w13.weight, align, top_k, w13.scale, w13.block, w13.scheme, lora=fused, **selects
         )  # [P, 2I]
         if with_lora and not in_gemm:
             add_moe_gate_up(x, gate_up, self.lora_gate_up, *pairs)

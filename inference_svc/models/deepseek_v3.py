@@ -18,6 +18,7 @@ from inference_svc.layers.quant import QuantMethod
 from inference_svc.layers.rope import RotaryEmbedding
 from inference_svc.layers.streams import shared_experts_stream
 from inference_svc.model.config import ModelConfig
+from kernels.gemv import ResidualAdd
 from kernels.rms_norm import RoutedPairs
 
 # Outputs not yet added to the residual stream (RMSNorm.add_then_norm).
@@ -84,8 +85,14 @@ class DecoderLayer(nn.Module):
         added to it → (h, this layer's FFN outputs). Each residual add rides in the next
         norm's launch (`RMSNorm.add_then_norm`), the FFN's in the next layer's, and so does
         the routed experts' weighted combine."""
-        h, x = self.input_norm.add_then_norm(h, pending)
-        attn = self.attn(x, batch, rope, cos_sin, kv_pool)
+        if pending and self.attn.takes_input_norm(h, batch):
+            # The add and the norm ride in the attention's first kernel, which stores h.
+            residual = ResidualAdd(pending, torch.empty_like(h))
+            attn = self.attn(h, batch, rope, cos_sin, kv_pool, (self.input_norm, residual))
+            h = residual.h
+        else:
+            h, x = self.input_norm.add_then_norm(h, pending)
+            attn = self.attn(x, batch, rope, cos_sin, kv_pool)
         lora = batch.lora.tokens if batch.lora is not None else None
         if self.moe is None:
             h, x = self.post_attn_norm.add_then_norm(h, (attn,))
@@ -105,7 +112,7 @@ class DecoderLayer(nn.Module):
             and x_float is not None
             and self.moe.gate.runs_gemv(x_float)
         ):
-            routing = self.moe.route(x, x_float)
+            routing = self.moe.route(x, x_float, lora)
         # Memory stays ordered without record_stream: x is freed on this stream after the
         # join below, and `shared` (made on the side stream) is read by the next norm on
         # this stream before the side stream next forks from it and could reuse its block.

@@ -18,6 +18,7 @@ from kernels.fused_moe import silu_mul, silu_mul_ref
 from kernels.gemv import (
     MAX_K,
     GemvLora,
+    ResidualAdd,
     gemv,
     gemv_fits,
     gemv_lora_shrink,
@@ -26,7 +27,7 @@ from kernels.gemv import (
 )
 from kernels.lora_segments import build_lora_segments
 from kernels.mla_lora import mla_kv_b_lora_o_ref, mla_kv_b_lora_q_ref
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.rms_norm import RoutedPairs, add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -89,6 +90,55 @@ def test_gated_input_equals_silu_mul_then_the_matmul(
     assert not gemv_fits(x, w)  # and ungated it must be K wide
     with pytest.raises(ValueError, match="then no norm"):
         gemv(x, w, torch.ones(k_dim, dtype=dtype), 1e-6, gated=True)
+
+
+def _residual_addends(case: str, k_dim: int, dtype: torch.dtype, gen) -> tuple:
+    """The addends a decoder layer's input norm sees (MoE with shared experts, MoE alone,
+    a dense MLP) and two tensors."""
+    top_k = 6
+    pairs = RoutedPairs(torch.randn(top_k, k_dim, generator=gen).to(dtype),
+                        torch.rand(1, top_k, generator=gen))  # fmt: skip
+    shared = torch.randn(1, k_dim, generator=gen).to(dtype)
+    other = torch.randn(1, k_dim, generator=gen).to(dtype)
+    return {"pairs_and_shared": (pairs, shared), "pairs": (pairs,), "tensor": (shared,),
+            "two_tensors": (shared, other)}[case]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", ["pairs_and_shared", "pairs", "tensor", "two_tensors"])
+def test_residual_add_equals_add_rms_norm_then_the_matmul(case: str, dtype: torch.dtype) -> None:
+    """The decoder's residual add (with the MoE combine) and norm in the prologue: the h the
+    launch stores and its product equal add_rms_norm's h and the product of its y, bit for
+    bit under the interpreter (the same jitted row functions), over many programs."""
+    gen = torch.Generator().manual_seed(len(case))
+    n_dim, k_dim, eps = 37, 300, 1e-6
+    residual = (torch.randn(1, k_dim, generator=gen) * 2).to(dtype)
+    addends = _residual_addends(case, k_dim, dtype, gen)
+    norm_w = (1 + 0.1 * torch.randn(k_dim, generator=gen)).to(dtype)
+    w = (torch.randn(n_dim, k_dim, generator=gen) / k_dim**0.5).to(dtype)
+    h = torch.full_like(residual, float("nan"))
+    fused = gemv(residual, w, norm_w, eps, residual=ResidualAdd(addends, h))
+    want_h, want_y = add_rms_norm(residual, addends, norm_w, eps)
+    torch.testing.assert_close(h, want_h, rtol=0, atol=0)
+    torch.testing.assert_close(fused, gemv(want_y, w), rtol=0, atol=0)
+    ref_h, ref_y = add_rms_norm_ref(residual, addends, norm_w, eps)
+    expected = (ref_y.double() @ w.double().T).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(h, ref_h, rtol=tol, atol=tol)
+    torch.testing.assert_close(fused, expected, rtol=tol, atol=tol)
+    unadded = gemv(residual, w, norm_w, eps)
+    assert not torch.allclose(unadded, expected, rtol=tol, atol=tol)  # the addends mattered
+
+
+def test_a_residual_add_needs_its_norm_and_no_lora() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, 32, generator=gen), torch.randn(8, 32, generator=gen)
+    residual = ResidualAdd((torch.randn(1, 32, generator=gen),), torch.empty(1, 32))
+    with pytest.raises(ValueError, match="residual add"):
+        gemv(x, w, residual=residual)
+    wrong_h = ResidualAdd(residual.addends, torch.empty(1, 32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="residual add"):
+        gemv(x, w, torch.ones(32), 1e-6, residual=wrong_h)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
