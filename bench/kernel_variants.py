@@ -142,7 +142,8 @@ VARIANTS: dict[str, frozenset[str]] = {
     "v2-routing": frozenset({"routing", "select_align", "select_in_gemm"}),
     "v2-align": frozenset({"align", "select_align", "select_in_gemm"}),
     "v2-fusions": frozenset({"add_norm", "latent_cache", "router_input", "residual_gemv"}),
-    # This session's one-token launches, all off (docs/benchmarks.md, thirteenth session).
+    # The one-token launches of the thirteenth and twenty-fourth sessions, all off
+    # (docs/benchmarks.md).
     "v2-one_token": frozenset(
         {
             "router_gemv",
