@@ -795,8 +795,7 @@ def grouped_gemm(
     a_scale = a_scale if a_scale is not None else w  # unused pointer without scales
     scale = w_scale if w_scale is not None else w  # unused pointer for "float"
     block_n = tiles.block_n
-    tile_args, tile_constexprs = _row_tile_arguments(align, selection, lora, out)
-    row_tiles = align.num_pairs if isinstance(align, PairTiles) else align.block_expert_ids.numel()
+    row_tiles, tile_args, tile_constexprs = _row_tile_arguments(align, selection, lora, out)
     fast(_grouped_gemm_kernel)[(row_tiles, cdiv(n, block_n))](
         a, a_scale, w, scale, out, *tile_args, n, k, align.num_pairs, rows_per_a,
         a.stride(0), a_scale.stride(0) if scheme == "block_a8" else 0, w.stride(0), w.stride(1),
@@ -815,10 +814,10 @@ def grouped_gemm(
     return out
 
 
-# The selection's constexprs of launches that do not select (never read).
+# The SEL_* constexprs of launches that do not select (never read).
 _NO_SELECTION = {
-    "TOP_K": 1, "METHOD": 0, "N_GROUP": 1, "TOPK_GROUP": 1, "NORM": False, "NORM_EPS": 0.0,
-    "BLOCK_E": 16, "BLOCK_K": 1,
+    "SEL_TOP_K": 1, "SEL_METHOD": 0, "SEL_N_GROUP": 1, "SEL_TOPK_GROUP": 1, "SEL_NORM": False,
+    "SEL_NORM_EPS": 0.0, "SEL_BLOCK_E": 16, "SEL_BLOCK_K": 1,
 }  # fmt: skip
 
 
@@ -827,15 +826,16 @@ def _row_tile_arguments(
     selection: TokenSelection | None,
     lora: MoeLoraEpilogue | None,
     out: torch.Tensor,
-) -> tuple[tuple, dict[str, object]]:
-    """The kernel's row-tile arguments (sorted_ids, block_experts, pair_ids, sel_logits,
-    sel_bias, sel_weights, num_experts, sel_scaling) and its TILES and SEL_* constexprs;
-    placeholders (out) are never read."""
+) -> tuple[int, tuple, dict[str, object]]:
+    """The launch's row tiles (the grid's first dim), the kernel's row-tile arguments
+    (sorted_ids, block_experts, pair_ids, sel_logits, sel_bias, sel_weights, num_experts,
+    sel_scaling) and its TILES and SEL_* constexprs; placeholders (out) are never read."""
     if isinstance(align, MoEAlignment):
         if selection is not None:
             raise ValueError("a TokenSelection selects for PairTiles, not for an alignment")
-        args = (align.sorted_pair_ids, align.block_expert_ids, out, out, out, out, 0, 1.0)
-        return args, {"TILES": ALIGNED_TILES.value, **_selection_constexprs(_NO_SELECTION)}
+        experts = align.block_expert_ids
+        args = (align.sorted_pair_ids, experts, out, out, out, out, 0, 1.0)
+        return experts.numel(), args, {"TILES": ALIGNED_TILES.value, **_NO_SELECTION}
     ids = align.topk_ids
     if lora is not None or ids.dtype != torch.int64 or not ids.is_contiguous():
         raise ValueError(
@@ -844,7 +844,7 @@ def _row_tile_arguments(
         )
     if selection is None:
         args = (out, out, ids, out, out, out, 0, 1.0)
-        return args, {"TILES": PAIR_TILES.value, **_selection_constexprs(_NO_SELECTION)}
+        return ids.numel(), args, {"TILES": PAIR_TILES.value, **_NO_SELECTION}
     logits, weights = selection.logits, selection.weights
     if logits.shape[0] != 1 or ids.shape != weights.shape or ids.shape[0] != 1:
         raise ValueError(
@@ -853,12 +853,8 @@ def _row_tile_arguments(
         )
     bias = selection.bias if selection.bias is not None else logits
     args = (out, out, ids, logits, bias, weights, logits.shape[1], float(selection.scaling))
-    constexprs = _selection_constexprs(selection.constexprs)
-    return args, {"TILES": SELECTING_PAIR_TILES.value, **constexprs}
-
-
-def _selection_constexprs(constexprs: dict[str, object]) -> dict[str, object]:
-    return {f"SEL_{name}": value for name, value in constexprs.items()}
+    constexprs = {f"SEL_{name}": value for name, value in selection.constexprs.items()}
+    return ids.numel(), args, {"TILES": SELECTING_PAIR_TILES.value, **constexprs}
 
 
 def _lora_arguments(

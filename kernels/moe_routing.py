@@ -192,10 +192,10 @@ def select_rows(
         logits_ptr, bias_ptr, rows, num_tokens, num_experts, stride_l, scaling,
         TOP_K, METHOD, N_GROUP, TOPK_GROUP, NORM, NORM_EPS, BLOCK_E, BLOCK_K,
     )  # fmt: skip
-    rows64 = tl.where(rows < num_tokens, rows, 0).to(tl.int64)
+    row_ok = rows < num_tokens
     k_cols = tl.arange(0, BLOCK_K)
-    out = rows64[:, None] * TOP_K + k_cols[None, :]
-    mask = (rows < num_tokens)[:, None] & (k_cols[None, :] < TOP_K)
+    out = tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * TOP_K + k_cols[None, :]
+    mask = row_ok[:, None] & (k_cols[None, :] < TOP_K)
     tl.store(weights_ptr + out, weights, mask=mask)
     tl.store(ids_ptr + out, ids, mask=mask)
 
