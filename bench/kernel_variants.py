@@ -125,6 +125,9 @@ PATCHES = {
     # One token's residual add and input norm as their own launch before qkv_a's GEMV
     # (before they rode in it).
     "residual_gemv": (linear_layer, "RESIDUAL_IN_GEMV", False),
+    # The routed experts' SiLU·mul as its own launch after the gate_up GEMM (before it rode
+    # in the GEMM's epilogue).
+    "silu_epilogue": (moe_layer, "SILU_IN_GATE_UP_MAX_TOKENS", 0),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {

@@ -491,9 +491,11 @@ def grouped_gemm_ref(
     block: tuple[int, int] | None = None,
     scheme: str | None = None,
     lora: MoeLoraEpilogue | None = None,
+    gated_out: bool = False,
 ) -> torch.Tensor:
     """Semantics: out[p] = a[p // rows_per_a] @ W[expert(p)]ᵀ (+ lora's term) for every
-    real pair p, rounded once to a's dtype.
+    real pair p, rounded once to a's dtype; `gated_out`: W is gate ⊕ up and the result
+    is silu_mul_ref(out) [P, N/2] (the activation of the rounded product).
 
     Under "w8a8" `a` is first rounded per row to int8 (`per_token_quant_int8_ref`), under
     "block_a8" per row and K-group of bk to e4m3 (`group_quant_fp8_ref`), as the kernel
@@ -526,7 +528,7 @@ def grouped_gemm_ref(
         if lora is not None:
             tile += lora.delta_ref(pairs, e)
         out[pairs] = tile.to(a.dtype)
-    return out
+    return silu_mul_ref(out) if gated_out else out
 
 
 # Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
@@ -544,8 +546,10 @@ def _grouped_gemm_kernel(
     LORA_DOT: tl.constexpr, TILES: tl.constexpr,
     SEL_TOP_K: tl.constexpr, SEL_METHOD: tl.constexpr, SEL_N_GROUP: tl.constexpr,
     SEL_TOPK_GROUP: tl.constexpr, SEL_NORM: tl.constexpr, SEL_NORM_EPS: tl.constexpr,
-    SEL_BLOCK_E: tl.constexpr, SEL_BLOCK_K: tl.constexpr,
+    SEL_BLOCK_E: tl.constexpr, SEL_BLOCK_K: tl.constexpr, GATED_OUT: tl.constexpr,
 ):  # fmt: skip
+    # GATED_OUT: w is gate ⊕ up ([E, 2·N', K], N = N' the output width) and the tile stores
+    # silu(gate)·up; its columns interleave the two halves' rows, gate j at 2j, up j at 2j+1.
     # SCHEME: 0 float, 1 block-scaled, 2 w8a8, 3 int4_group, 4 block_a8 (WEIGHT_SCHEMES).
     # LORA_SLICES > 0: add the MoeLoraEpilogue (l*/L* arguments) to the tile before rounding.
     # TILES (ROW_TILES): the alignment's tiles, or PairTiles with the pairs' experts read
@@ -570,7 +574,17 @@ def _grouped_gemm_kernel(
         pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)  # pair pid_m, padding
     real = pair < num_pairs
     a_row = pair // rows_per_a
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED_OUT:
+        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # [BLOCK_N / 2]
+        j = tl.arange(0, BLOCK_N)
+        out_col = pid_n * (BLOCK_N // 2) + j // 2
+        # weight rows: gate row out_col at even j, up row N + out_col at odd j (rows past
+        # the output's columns are read, or masked past 2N, and never stored).
+        offs_n = out_col + (j % 2) * N
+        rows_n = 2 * N
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_n = N
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     s_base = s_ptr + expert.to(tl.int64) * stride_se
@@ -592,7 +606,7 @@ def _grouped_gemm_kernel(
             mask=real[:, None] & (k[None, :] < K),
             other=0.0,
         )
-        w_mask = (offs_n[None, :] < N) & (k[:, None] < K)
+        w_mask = (offs_n[None, :] < rows_n) & (k[:, None] < K)
         if SCHEME == 3:
             # Each byte holds k = 2j (low nibble) and 2j + 1 (high); a K-tile reads its
             # bytes twice (from L1) and picks the nibble by k's parity.
@@ -610,7 +624,9 @@ def _grouped_gemm_kernel(
         elif SCHEME == 4:
             # a is e4m3 with one scale per row and K-group of BK (BLOCK_K divides BK): the
             # e4m3 × e4m3 product is exact in float32, then scaled by both blocks' scales.
-            s = tl.load(s_base + (offs_n // BN) * stride_sn + k0 // BK, mask=offs_n < N, other=0.0)
+            s = tl.load(
+                s_base + (offs_n // BN) * stride_sn + k0 // BK, mask=offs_n < rows_n, other=0.0
+            )
             a_s = tl.load(a_scale_ptr + a_row.to(tl.int64) * stride_as + k0 // BK, mask=real)
             if BLOCK_K >= 32:
                 acc += tl.dot(a, b) * (a_s[:, None] * s[None, :])
@@ -618,7 +634,9 @@ def _grouped_gemm_kernel(
                 acc += tl.dot(a.to(tl.float16), b.to(tl.float16)) * (a_s[:, None] * s[None, :])
         else:
             # BLOCK_K divides BK: the tile lies in one scale block (or group) along K.
-            s = tl.load(s_base + (offs_n // BN) * stride_sn + k0 // BK, mask=offs_n < N, other=0.0)
+            s = tl.load(
+                s_base + (offs_n // BN) * stride_sn + k0 // BK, mask=offs_n < rows_n, other=0.0
+            )
             if SCALE_TILES:
                 # Scale the weight tile, then chain the MMA into acc: Hopper overlaps a
                 # chained MMA with the next tile's loads, where scaling each product must
@@ -629,7 +647,7 @@ def _grouped_gemm_kernel(
                 acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
     if SCHEME == 2:
         a_scale = tl.load(a_scale_ptr + a_row, mask=real, other=0.0)  # [BLOCK_M]
-        w_scale = tl.load(s_base + offs_n * stride_sn, mask=offs_n < N, other=0.0)  # [BLOCK_N]
+        w_scale = tl.load(s_base + offs_n * stride_sn, mask=offs_n < rows_n, other=0.0)
         result = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
     else:
         result = acc
@@ -641,9 +659,15 @@ def _grouped_gemm_kernel(
             N, LORA_R, LORA_B_EXPERTS, stride_ly, stride_lbs, stride_lbe, stride_lbn,
             LORA_SLICES, BLOCK_N, LORA_BLOCK_R, LORA_DOT,
         )  # fmt: skip
+    result = result.to(out_ptr.dtype.element_ty)
+    if GATED_OUT:
+        # Gate and up rounded as stored, then the activation as silu_mul computes it.
+        gate, up = tl.split(tl.reshape(result, (BLOCK_M, BLOCK_N // 2, 2)))
+        result = silu_times(gate, up).to(out_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_N / 2]
+        offs_n = offs_out
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-        result.to(out_ptr.dtype.element_ty),
+        result,
         mask=real[:, None] & (offs_n[None, :] < N),
     )  # fmt: skip
 
@@ -748,10 +772,13 @@ def grouped_gemm(
     tiles: GemmTiles | None = None,
     lora: MoeLoraEpilogue | None = None,
     selection: TokenSelection | None = None,
+    gated_out: bool = False,
 ) -> torch.Tensor:
     """Triton version of `grouped_gemm_ref` (same arguments and result), over the
     alignment's row tiles or over `PairTiles` (then without `lora`); with `selection`
-    (PairTiles of one token) the launch selects the experts too and stores them.
+    (PairTiles of one token) the launch selects the experts too and stores them;
+    `gated_out` (without `lora`): the SiLU·mul in the epilogue, no gate_up round trip and
+    no launch of its own (each tile holds matching gate and up columns).
 
     "w8a8" quantizes `a` per row with `per_token_quant_int8` first (one extra launch),
     "block_a8" per row and K-group of bk with `group_quant_fp8` (one extra launch) unless
@@ -787,7 +814,13 @@ def grouped_gemm(
             raise ValueError(f"scale block {bk} along K must be a multiple of {block_k}")
     else:
         block_k = tiles.block_k
-    out = torch.empty((align.num_pairs, n), dtype=out_dtype, device=a.device)
+    if gated_out and (lora is not None or n % 2 or tiles.block_n < 2):
+        raise ValueError(
+            f"a gated output takes gate ⊕ up weights of even width, column tiles of 2 or more "
+            f"and no LoRA: w {tuple(w.shape)}, block_n {tiles.block_n}, lora {lora is not None}"
+        )
+    out_n = n // 2 if gated_out else n
+    out = torch.empty((align.num_pairs, out_n), dtype=out_dtype, device=a.device)
     if scheme == "w8a8":
         a, a_scale = per_token_quant_int8(a)
     elif scheme == "block_a8" and a_scale is None:
@@ -795,9 +828,10 @@ def grouped_gemm(
     a_scale = a_scale if a_scale is not None else w  # unused pointer without scales
     scale = w_scale if w_scale is not None else w  # unused pointer for "float"
     block_n = tiles.block_n
+    out_block = block_n // 2 if gated_out else block_n  # output columns a program stores
     row_tiles, tile_args, tile_constexprs = _row_tile_arguments(align, selection, lora, out)
-    fast(_grouped_gemm_kernel)[(row_tiles, cdiv(n, block_n))](
-        a, a_scale, w, scale, out, *tile_args, n, k, align.num_pairs, rows_per_a,
+    fast(_grouped_gemm_kernel)[(row_tiles, cdiv(out_n, out_block))](
+        a, a_scale, w, scale, out, *tile_args, out_n, k, align.num_pairs, rows_per_a,
         a.stride(0), a_scale.stride(0) if scheme == "block_a8" else 0, w.stride(0), w.stride(1),
         scale.stride(0) if w_scale is not None else 0,
         scale.stride(1) if w_scale is not None else 0,
@@ -809,7 +843,8 @@ def grouped_gemm(
         LORA_SLICES=lora.num_slices if lora is not None else 0,
         LORA_BLOCK_R=rank_block(lora.b.shape[3]) if lora is not None else 16,
         LORA_DOT=dot_precision(lora.b.dtype if lora is not None else a.dtype),
-        **tile_constexprs, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **tile_constexprs, GATED_OUT=gated_out, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )  # fmt: skip
     return out
 

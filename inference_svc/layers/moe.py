@@ -65,6 +65,12 @@ class MoeRouting(NamedTuple):
 # the router's GEMV and the expert weights' reads. Measured in docs/benchmarks.md
 # (twenty-fourth session; bench patch "select_in_gemm" turns it off).
 SELECT_IN_GEMM = True
+# Steps of up to this many tokens whose routed experts run without LoRA take SiLU·mul in the
+# gate_up GEMM's epilogue (fm.grouped_gemm's gated_out): one launch fewer a MoE layer, and
+# gate_up's [P, 2I] output neither written nor read. Measured in docs/benchmarks.md
+# (twenty-fifth session; bench patch "silu_epilogue" turns it off); longer steps keep the
+# activation's own launch (prefill tiles not measured with it).
+SILU_IN_GATE_UP_MAX_TOKENS = 256
 
 
 # One token's router logits through kernels.gemv (float32 weights read before the PDL wait)
@@ -274,13 +280,25 @@ class MoE(nn.Module):
             pairs = (pair_token, pair_expert, lora, align.sorted_pair_ids)
             if in_gemm:
                 fused = start_moe_lora(x, self.lora_gate_up, *pairs, per_pair=False)
-        selects = {} if selection is None else {"selection": selection}  # the Triton path's
+        # The Triton path's keywords: the selection, and the activation in the epilogue.
+        triton_args = {} if selection is None else {"selection": selection}
+        act_in_gemm = (
+            triton_path
+            and not with_lora
+            and scheme != "block_a8"
+            and x.shape[0] <= SILU_IN_GATE_UP_MAX_TOKENS
+        )
+        if act_in_gemm:
+            triton_args["gated_out"] = True
         gate_up = gemm(
-            x, w13.weight, align, top_k, w13.scale, w13.block, w13.scheme, lora=fused, **selects
-        )  # [P, 2I]
+            x, w13.weight, align, top_k, w13.scale, w13.block, w13.scheme, lora=fused,
+            **triton_args,
+        )  # [P, 2I], or [P, I] act_in_gemm  # fmt: skip
         if with_lora and not in_gemm:
             add_moe_gate_up(x, gate_up, self.lora_gate_up, *pairs)
-        if triton_path and scheme == "block_a8" and not with_lora:
+        if act_in_gemm:
+            act = gate_up  # [P, I]
+        elif triton_path and scheme == "block_a8" and not with_lora:
             # e4m3 activations straight from the activation's launch (the LoRA paths read
             # the bf16 activation, so they keep the two launches).
             act = fm.silu_mul_quant_fp8(gate_up, w2.block[1])  # [P, I] e4m3 + scales

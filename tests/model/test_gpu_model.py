@@ -94,6 +94,22 @@ def test_one_token_selection_in_the_gemm_equals_its_own_launch(spec, tiny_checkp
     torch.testing.assert_close(logits[True], logits[False], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("spec", ["v3_q_lora", "v2_greedy"])
+def test_silu_mul_in_the_gate_up_gemm_equals_its_own_launch(spec, tiny_checkpoint, monkeypatch):
+    """A prompt step and one-token decode steps give the same logits, bit for bit, whether
+    the routed experts' SiLU·mul rides in the gate_up GEMM's epilogue
+    (moe.SILU_IN_GATE_UP_MAX_TOKENS) or has its own launch."""
+    loaded = load_model(tiny_checkpoint(spec).folder, device="cuda", dtype=torch.bfloat16)
+    gating = _recording(monkeypatch, fm, "grouped_gemm", "gated_out")
+    logits = {}
+    for max_tokens in (256, 0):
+        monkeypatch.setattr(moe_layer, "SILU_IN_GATE_UP_MAX_TOKENS", max_tokens)
+        logits[max_tokens] = _one_token_decode(loaded)
+        assert any(gating) == bool(max_tokens)  # the path under test ran (or did not)
+        gating.clear()
+    torch.testing.assert_close(logits[256], logits[0], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("spec", ["v3_q_lora", "v3_no_q_lora"])
 def test_one_token_residual_add_in_the_gemv_matches_its_own_launch(
     spec, tiny_checkpoint, monkeypatch
