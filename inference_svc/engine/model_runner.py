@@ -164,16 +164,21 @@ class ModelRunner:
     def _replay(self, g: _DecodeGraph, input_ids: torch.Tensor, batch: BatchMetadata):
         n, static = batch.num_seqs, g.batch
         scratch = self.kv_cache.scratch_page
-        g.input_ids.zero_()
-        g.input_ids[:n].copy_(input_ids)
-        static.positions.zero_()
-        static.positions[:n].copy_(batch.positions)
-        static.slot_mapping.fill_(scratch * self.config.page_size)
-        static.slot_mapping[:n].copy_(batch.slot_mapping)
-        static.context_lens.fill_(1)
-        static.context_lens[:n].copy_(batch.context_lens)
-        static.page_table.fill_(scratch)
-        static.page_table[:n, : batch.page_table.shape[1]].copy_(batch.page_table)
+        # The step's rows in one multi-tensor copy; the page table's columns past the
+        # batch's keep what they held (no kernel reads a page entry past its sequence's
+        # context: the decode kernels mask those loads).
+        torch._foreach_copy_(
+            [g.input_ids[:n], static.positions[:n], static.slot_mapping[:n],
+             static.context_lens[:n], static.page_table[:n, : batch.page_table.shape[1]]],
+            [input_ids, batch.positions, batch.slot_mapping, batch.context_lens,
+             batch.page_table],
+        )  # fmt: skip
+        if n < g.size:  # padding rows: one cached token each, on the scratch page
+            g.input_ids[n:].zero_()
+            static.positions[n:].zero_()
+            static.slot_mapping[n:].fill_(scratch * self.config.page_size)
+            static.context_lens[n:].fill_(1)
+            static.page_table[n:].fill_(scratch)
         if static.lora is not None and batch.lora is not None:
             # Rows n.. of the graph's batch get slot -1: padding does no LoRA work.
             slot_rank = batch.lora.tokens.slot_rank
