@@ -548,7 +548,7 @@ def _grouped_gemm_kernel(
     SEL_TOPK_GROUP: tl.constexpr, SEL_NORM: tl.constexpr, SEL_NORM_EPS: tl.constexpr,
     SEL_BLOCK_E: tl.constexpr, SEL_BLOCK_K: tl.constexpr, GATED_OUT: tl.constexpr,
 ):  # fmt: skip
-    # GATED_OUT: w is gate ⊕ up ([E, 2·N', K], N = N' the output width) and the tile stores
+    # GATED_OUT: w is gate ⊕ up [E, 2N, K] (N the output's width) and the tile stores
     # silu(gate)·up; its columns interleave the two halves' rows, gate j at 2j, up j at 2j+1.
     # SCHEME: 0 float, 1 block-scaled, 2 w8a8, 3 int4_group, 4 block_a8 (WEIGHT_SCHEMES).
     # LORA_SLICES > 0: add the MoeLoraEpilogue (l*/L* arguments) to the tile before rounding.

@@ -293,7 +293,7 @@ class MoE(nn.Module):
         gate_up = gemm(
             x, w13.weight, align, top_k, w13.scale, w13.block, w13.scheme, lora=fused,
             **triton_args,
-        )  # [P, 2I], or [P, I] act_in_gemm  # fmt: skip
+        )  # [P, 2I] ([P, I] with act_in_gemm)  # fmt: skip
         if with_lora and not in_gemm:
             add_moe_gate_up(x, gate_up, self.lora_gate_up, *pairs)
         if act_in_gemm:
