@@ -575,7 +575,6 @@ def _grouped_gemm_kernel(
     real = pair < num_pairs
     a_row = pair // rows_per_a
     if GATED_OUT:
-        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # [BLOCK_N / 2]
         j = tl.arange(0, BLOCK_N)
         out_col = pid_n * (BLOCK_N // 2) + j // 2
         # weight rows: gate row out_col at even j, up row N + out_col at odd j (rows past
@@ -664,7 +663,7 @@ def _grouped_gemm_kernel(
         # Gate and up rounded as stored, then the activation as silu_mul computes it.
         gate, up = tl.split(tl.reshape(result, (BLOCK_M, BLOCK_N // 2, 2)))
         result = silu_times(gate, up).to(out_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_N / 2]
-        offs_n = offs_out
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # the output's columns
     tl.store(
         out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :],
         result,

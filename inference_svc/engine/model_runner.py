@@ -113,25 +113,35 @@ class ModelRunner:
         self, size: int, lora_pool: LoraPool | None
     ) -> tuple[torch.Tensor, BatchMetadata]:
         """Inputs of a padding-only decode batch: every row reads/writes the scratch page."""
-        page_size = self.config.page_size
-        scratch = self.kv_cache.scratch_page
         device = self.device
         batch = BatchMetadata(
-            positions=torch.zeros(size, dtype=torch.int64, device=device),
+            positions=torch.empty(size, dtype=torch.int64, device=device),
             query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
-            context_lens=torch.ones(size, dtype=torch.int32, device=device),
-            page_table=torch.full(
-                (size, self.config.max_pages_per_seq), scratch, dtype=torch.int32, device=device
+            context_lens=torch.empty(size, dtype=torch.int32, device=device),
+            page_table=torch.empty(
+                (size, self.config.max_pages_per_seq), dtype=torch.int32, device=device
             ),
-            slot_mapping=torch.full((size,), scratch * page_size, dtype=torch.int64, device=device),
+            slot_mapping=torch.empty(size, dtype=torch.int64, device=device),
             logits_indices=torch.arange(size, dtype=torch.int64, device=device),
             num_decode_seqs=size,
             query_lens=(1,) * size,
             context_lens_host=(1,) * size,
-            page_size=page_size,
+            page_size=self.config.page_size,
             lora=self._static_lora_batch(size, lora_pool) if lora_pool is not None else None,
         )
-        return torch.zeros(size, dtype=torch.int64, device=device), batch
+        input_ids = torch.empty(size, dtype=torch.int64, device=device)
+        self._pad_rows(input_ids, batch, 0)
+        return input_ids, batch
+
+    def _pad_rows(self, input_ids: torch.Tensor, batch: BatchMetadata, start: int) -> None:
+        """Rows start.. of a graph's inputs as padding: token 0 at position 0, one cached
+        token, on the scratch page."""
+        scratch = self.kv_cache.scratch_page
+        input_ids[start:].zero_()
+        batch.positions[start:].zero_()
+        batch.slot_mapping[start:].fill_(scratch * self.config.page_size)
+        batch.context_lens[start:].fill_(1)
+        batch.page_table[start:].fill_(scratch)
 
     @torch.inference_mode()
     def capture_decode_graphs(self) -> None:
@@ -163,7 +173,6 @@ class ModelRunner:
 
     def _replay(self, g: _DecodeGraph, input_ids: torch.Tensor, batch: BatchMetadata):
         n, static = batch.num_seqs, g.batch
-        scratch = self.kv_cache.scratch_page
         # The step's rows in one multi-tensor copy; the page table's columns past the
         # batch's keep what they held (no kernel reads a page entry past its sequence's
         # context: the decode kernels mask those loads).
@@ -173,12 +182,8 @@ class ModelRunner:
             [input_ids, batch.positions, batch.slot_mapping, batch.context_lens,
              batch.page_table],
         )  # fmt: skip
-        if n < g.size:  # padding rows: one cached token each, on the scratch page
-            g.input_ids[n:].zero_()
-            static.positions[n:].zero_()
-            static.slot_mapping[n:].fill_(scratch * self.config.page_size)
-            static.context_lens[n:].fill_(1)
-            static.page_table[n:].fill_(scratch)
+        if n < g.size:
+            self._pad_rows(g.input_ids, static, n)
         if static.lora is not None and batch.lora is not None:
             # Rows n.. of the graph's batch get slot -1: padding does no LoRA work.
             slot_rank = batch.lora.tokens.slot_rank

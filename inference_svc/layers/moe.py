@@ -280,19 +280,14 @@ class MoE(nn.Module):
             pairs = (pair_token, pair_expert, lora, align.sorted_pair_ids)
             if in_gemm:
                 fused = start_moe_lora(x, self.lora_gate_up, *pairs, per_pair=False)
-        # The Triton path's keywords: the selection, and the activation in the epilogue.
-        triton_args = {} if selection is None else {"selection": selection}
         act_in_gemm = (
-            triton_path
-            and not with_lora
-            and scheme != "block_a8"
-            and x.shape[0] <= SILU_IN_GATE_UP_MAX_TOKENS
+            not with_lora and scheme != "block_a8" and x.shape[0] <= SILU_IN_GATE_UP_MAX_TOKENS
         )
-        if act_in_gemm:
-            triton_args["gated_out"] = True
+        # The selection only the Triton path makes (Router.selects_in_gemm).
+        selects = {} if selection is None else {"selection": selection}
         gate_up = gemm(
             x, w13.weight, align, top_k, w13.scale, w13.block, w13.scheme, lora=fused,
-            **triton_args,
+            gated_out=act_in_gemm, **selects,
         )  # [P, 2I] ([P, I] with act_in_gemm)  # fmt: skip
         if with_lora and not in_gemm:
             add_moe_gate_up(x, gate_up, self.lora_gate_up, *pairs)

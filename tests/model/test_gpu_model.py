@@ -69,12 +69,13 @@ def _one_token_decode(loaded) -> torch.Tensor:
 
 
 def _recording(monkeypatch, module, name: str, keyword: str) -> list[bool]:
-    """Wrap module.name to record, per call, whether `keyword` was passed (not None)."""
+    """Wrap module.name to record, per call, whether `keyword` was passed (not None or
+    False)."""
     seen: list[bool] = []
     plain = getattr(module, name)
 
     def recorded(*args, **kwargs):
-        seen.append(kwargs.get(keyword) is not None)
+        seen.append(kwargs.get(keyword) not in (None, False))
         return plain(*args, **kwargs)
 
     monkeypatch.setattr(module, name, recorded)
