@@ -133,10 +133,16 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
         f"kv_b_o_{v}": {(apply, "mla_kv_b_lora_o"): functools.partial(mla_kv_b_lora_o, variant=v)}
         for v in ("prefetch", "v1")
     },
+    # q_b's expand and kv_b's query correction as two launches in decode steps (before one
+    # launch did both: kernels.mla_q_lora).
+    "q_b_kv_b_q_separate": {(apply, "Q_B_EXPAND_WITH_KV_B_Q"): False},
     # Kernel skips, for timing only (the LoRA's result is wrong): kv_b's query correction
     # (a memset instead), its output correction, and every linear module's SGMV expand.
     # What a skip saves bounds what a faster or hidden kernel could gain.
-    "skip_kv_b_q": {(apply, "mla_kv_b_lora_q"): _zero_kv_b_q},
+    "skip_kv_b_q": {
+        (apply, "mla_kv_b_lora_q"): _zero_kv_b_q,
+        (apply, "Q_B_EXPAND_WITH_KV_B_Q"): False,
+    },
     "skip_kv_b_o": {(apply, "mla_kv_b_lora_o"): _nothing},
     "skip_expand": {(apply, "sgmv_expand"): _nothing},
 }
@@ -492,19 +498,21 @@ def run(
     bandwidth = copy_bandwidth(torch.device("cuda"))
     cases = cases or default_cases(batches, setup.num_slots)
     measured = {}
-    for name in variants:
-        # A fresh runner (same model and pool) captures its graphs with this set.
+    for i, name in enumerate(variants):
+        # A fresh runner (same model and pool) captures its graphs with this set. A name
+        # given again (alternating A/B runs in one process) gets its position appended.
+        key = f"{name}#{i}" if name in variants[:i] else name
         renew_runner(setup)
         with variant(name, setup.model):
             setup.runner.capture_decode_graphs()
-            print(f"[{name}] graphs captured at {time.perf_counter() - start:.0f} s")
+            print(f"[{key}] graphs captured at {time.perf_counter() - start:.0f} s")
             rows = measure_steps(setup, cases, profile)
-            measured[name] = {
+            measured[key] = {
                 "decode": [r.as_dict(bandwidth) for r in rows],
                 "moe": measure_moe(setup),
             }
             if prefill:
-                measured[name]["prefill"] = measure_prefill(setup, profile)
+                measured[key]["prefill"] = measure_prefill(setup, profile)
     results = {
         "device": device_name(torch.device("cuda")),
         "model": "DeepSeek-V2-Lite shape, q_lora_rank 1536, random bf16 weights",

@@ -16,6 +16,7 @@ from inference_svc.layers.quant import QuantMethod
 from inference_svc.lora import apply as lora_apply
 from inference_svc.lora.apply import (
     LoraWeights,
+    PendingLinearLora,
     finish_linear_lora,
     one_token_linear_lora,
     start_linear_lora,
@@ -109,18 +110,44 @@ class Linear(nn.Module):
                     x, self.lora, lora, self.slice_offsets, *norm_args, gated=gated
                 )
             return gemv(x, info.weight, *norm_args, gated=gated, lora=gemv_lora, residual=residual)
+        x = self._input(x, norm, gated)
+        pending = None
+        if has_lora:  # issued first: the shrink runs beside the base matmul (start_linear_lora)
+            pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
+        y = self._matmul(x)
+        if pending is not None:
+            finish_linear_lora(pending, y, self.lora, self.slice_offsets)
+        return y
+
+    def runs_one_token_lora(self, x: torch.Tensor) -> bool:
+        """Whether `forward` of x [T, in] takes the one-token kernel with this module's LoRA
+        in it (no separate expand to leave to a caller)."""
+        return lora_apply.ONE_TOKEN_LORA_IN_GEMV and self._one_token(x, False)
+
+    def forward_leaving_expand(
+        self, x: torch.Tensor, lora: LoraSegments, norm: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, PendingLinearLora]:
+        """`forward` where it does not run the one-token LoRA kernel (`runs_one_token_lora`
+        is False) and this module has LoRA: the product [T, out] with its LoRA shrink issued,
+        and the pending shrink whose expand the caller launches (MLA: q_b's expand with kv_b's
+        query correction, lora_apply.finish_q_b_lora_with_kv_b_q)."""
+        if self.lora is None or self.runs_one_token_lora(x):
+            raise ValueError("forward_leaving_expand needs LoRA and a multi-token product")
+        x = self._input(x, norm, False)
+        pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
+        return self._matmul(x), pending
+
+    def _input(self, x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
         if norm is not None:
             x = norm(x)
         if gated:
             x = fm.silu_mul(x) if x.is_cuda else fm.silu_mul_ref(x)
-        pending = None
-        if has_lora:  # issued first: the shrink runs beside the base matmul (start_linear_lora)
-            pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
+        return x
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The multi-token product: cuBLAS, or the FP8 block-scaled GEMM."""
+        info = self.quant.quant_info(self)
         if info.scale is None:
-            y = F.linear(x, info.weight)
-        else:
-            gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref
-            y = gemm(x, info.weight, info.scale, info.block)
-        if pending is not None:
-            finish_linear_lora(pending, y, self.lora, self.slice_offsets)
-        return y
+            return F.linear(x, info.weight)
+        gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref
+        return gemm(x, info.weight, info.scale, info.block)

@@ -33,6 +33,7 @@ from inference_svc.lora.apply import (
 from inference_svc.model.config import ModelConfig
 from kernels.gemv import ResidualAdd, gemv_per_head, gemv_per_head_fits
 from kernels.latent_cache import write_latent_cache, write_latent_cache_ref
+from kernels.lora_segments import LoraSegments
 from kernels.mla_attention import mla_decode, mla_decode_ref
 from kernels.mla_prefill import mla_prefill_varlen, mla_prefill_varlen_ref
 
@@ -107,12 +108,13 @@ class MLAAttention(nn.Module):
         lora = batch.lora.tokens if batch.lora is not None else None
         norm, residual = input_norm if input_norm is not None else (None, None)
         qkv_a = self.qkv_a(x, lora, norm=norm, residual=residual)
+        q_lat_lora = None
         if self.q_lora_rank is None:
             q = self.q(x, lora, norm=norm, residual=residual)
             kv_a = qkv_a
         else:
             q_a, kv_a = qkv_a.split([self.q_lora_rank, qkv_a.shape[-1] - self.q_lora_rank], -1)
-            q = self.q_b(q_a, lora, norm=self.q_a_norm)
+            q, q_lat_lora = self._q_b(q_a, lora, batch)
         q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, n], [T, H, R]
         cos, sin = cos_sin
@@ -127,26 +129,67 @@ class MLAAttention(nn.Module):
         out = x.new_empty((tokens, self.num_heads, self.v_dim))  # [T, H, v]
         decodes = batch.num_decode_tokens
         if decodes:
-            self._decode(q_nope[:decodes], q_rope[:decodes], batch, kv_pool, out[:decodes])
+            self._decode(
+                q_nope[:decodes], q_rope[:decodes], batch, kv_pool, out[:decodes], q_lat_lora
+            )
         if decodes < tokens:
             self._prefill(q_nope, q_rope, batch, kv_pool, out)
         return self.o(out.view(tokens, self.num_heads * self.v_dim), lora)
 
-    def _decode(self, q_nope, q_rope, batch: BatchMetadata, kv_pool, out: torch.Tensor) -> None:
+    def _q_b(
+        self, q_a: torch.Tensor, lora: LoraSegments | None, batch: BatchMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q_b's product of q_a [T, q_lora_rank] with its LoRA → (q [T, H·(n+R)], q_lat).
+        In a step of decode tokens only, whose q_b does not run the one-token LoRA kernel,
+        q_b's expand also sets kv_b's absorbed query correction (one launch,
+        lora_apply.finish_q_b_lora_with_kv_b_q): q_lat [T, H, C] holds it. Else q_lat is
+        None and the decode path applies kv_b's LoRA itself."""
+        q_b, kv_b = self.q_b.lora, self.kv_b.lora
+        fuse = (
+            lora is not None
+            and q_b is not None
+            and kv_b is not None
+            and batch.num_decode_tokens == q_a.shape[0]
+            and not self.q_b.runs_one_token_lora(q_a)
+            and lora_apply.fuses_q_b_lora_with_kv_b_q(q_b, kv_b)
+        )
+        if not fuse:
+            return self.q_b(q_a, lora, norm=self.q_a_norm), None
+        q, pending = self.q_b.forward_leaving_expand(q_a, lora, norm=self.q_a_norm)
+        q_lat = q.new_empty((q.shape[0], self.num_heads, self.kv_lora_rank))
+        lora_apply.finish_q_b_lora_with_kv_b_q(pending, q, q_b, kv_b, q_lat, self.nope_dim)
+        return q, q_lat
+
+    def _decode(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: BatchMetadata,
+        kv_pool: torch.Tensor,
+        out: torch.Tensor,
+        q_lat_lora: torch.Tensor | None = None,
+    ) -> None:
         """Absorbed attention of the D decode tokens: [D, H, n], [D, H, R] → out [D, H, v].
+        `q_lat_lora` [D, H, C]: kv_b's query correction, already set (`_q_b`).
 
         The batched matmuls write [D, H, ·] through transposed views and the attention
         kernel takes strided queries, so no copy launches sit between them.
         """
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = q_nope.new_empty((q_nope.shape[0], self.num_heads, self.kv_lora_rank))
+        q_lat = q_lat_lora
+        if q_lat is None:
+            q_lat = q_nope.new_empty((q_nope.shape[0], self.num_heads, self.kv_lora_rank))
         lora = batch.lora.decode_tokens if batch.lora is not None else None
         kv_b_lora = self.kv_b.lora if lora is not None else None
         # One token: both absorptions are per-head GEMVs whose weight reads overlap the
         # previous kernel (kernels.gemv), kv_b's LoRA corrections in their epilogues;
         # cuBLAS's bmm waits for it to finish.
         one_token = ABSORB_GEMV and q_nope.is_cuda and q_nope.shape[0] == 1
-        q_gemv = one_token and gemv_per_head_fits(q_nope[0], w_uk.transpose(1, 2), q_lat[0])
+        q_gemv = (
+            one_token
+            and q_lat_lora is None
+            and gemv_per_head_fits(q_nope[0], w_uk.transpose(1, 2), q_lat[0])
+        )
         o_gemv = one_token and gemv_per_head_fits(q_lat[0], w_uv, out[0])  # o_lat: q_lat's shape
         q_lora = o_lora = None
         if kv_b_lora is not None and (q_gemv or o_gemv) and lora_apply.ONE_TOKEN_LORA_IN_GEMV:
@@ -156,8 +199,10 @@ class MLAAttention(nn.Module):
         if kv_b_lora is not None and q_lora is None:
             # kv_b's LoRA correction first, the absorbed product added onto it: the
             # correction's launch then follows a Triton kernel (the latent-cache write),
-            # whose run its weight reads overlap (PDL; kernels.mla_lora "prefetch").
-            set_kv_b_absorbed_q(q_nope, q_lat, kv_b_lora, lora)
+            # whose run its weight reads overlap (PDL; kernels.mla_lora "prefetch"),
+            # unless q_b's expand has set it already (`_q_b`).
+            if q_lat_lora is None:
+                set_kv_b_absorbed_q(q_nope, q_lat, kv_b_lora, lora)
             q_lat.transpose(0, 1).baddbmm_(q_nope.transpose(0, 1), w_uk)  # [D, H, C]
         elif q_gemv:
             gemv_per_head(q_nope[0], w_uk.transpose(1, 2), q_lat[0], q_lora)  # [H, C]

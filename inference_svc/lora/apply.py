@@ -26,6 +26,8 @@ from kernels.mla_lora import (
     mla_kv_b_lora_q,
     mla_kv_b_lora_q_ref,
 )
+from kernels.mla_q_lora import fits as mla_q_lora_fits
+from kernels.mla_q_lora import q_b_expand_kv_b_q, q_b_expand_kv_b_q_ref
 from kernels.moe_lora import (
     PAIRS_MAX_PAIRS,
     MoeLoraEpilogue,
@@ -203,6 +205,38 @@ def set_kv_b_absorbed_q(
         )
     else:
         mla_kv_b_lora_q_ref(q_nope, q_lat, weights.a, weights.b, segs, accumulate=False)
+
+
+# A decode step's q_b LoRA expand and kv_b's absorbed query correction in one launch
+# (kernels.mla_q_lora): the correction reads only the expanded q_nope, so its own launch
+# after the latent-cache write goes. False: the two launches (bench patch "q_b_kv_b_q").
+Q_B_EXPAND_WITH_KV_B_Q = True
+
+
+def fuses_q_b_lora_with_kv_b_q(q_b: LoraWeights, kv_b: LoraWeights) -> bool:
+    """Whether a decode step whose q_b and kv_b both have pool views takes
+    `finish_q_b_lora_with_kv_b_q` (pool ranks within the kernel's tiles)."""
+    return Q_B_EXPAND_WITH_KV_B_Q and mla_q_lora_fits(q_b.b, kv_b.a)
+
+
+def finish_q_b_lora_with_kv_b_q(
+    pending: PendingLinearLora,
+    q: Tensor,
+    q_b: LoraWeights,
+    kv_b: LoraWeights,
+    q_lat: Tensor,
+    nope_dim: int,
+) -> None:
+    """`finish_linear_lora` of q_b and `set_kv_b_absorbed_q` together, for a step whose
+    every token decodes: q[t] += B_q[slot] · y[t], then q_lat[t,h] = (q_nope[t,h] ·
+    B_k[slot,h]) · A[slot] from the expanded q_nope, zeros for tokens without kv_b's LoRA.
+
+    Args: q [T, H·(nope+rope)] q_b's output, in place; q_lat [T, H, C] overwritten.
+    """
+    if q.is_cuda and pending.stream is not None:
+        torch.cuda.current_stream(q.device).wait_stream(pending.stream)
+    apply = q_b_expand_kv_b_q if q.is_cuda else q_b_expand_kv_b_q_ref
+    apply(pending.y, q_b.b, q, pending.segments, kv_b.a, kv_b.b, kv_b.rank, q_lat, nope_dim)
 
 
 def add_kv_b_absorbed_o(o_lat: Tensor, o: Tensor, weights: LoraWeights, segs: LoraSegments) -> None:

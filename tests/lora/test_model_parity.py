@@ -145,11 +145,12 @@ def _route_through_triton(monkeypatch, moe_variant: str) -> None:
     import functools
 
     from inference_svc.lora import apply
-    from kernels import mla_lora, moe_lora, sgmv
+    from kernels import mla_lora, mla_q_lora, moe_lora, sgmv
 
     for module, names in (
         (sgmv, ("sgmv_shrink", "sgmv_expand")),
         (mla_lora, ("mla_kv_b_lora_q", "mla_kv_b_lora_o")),
+        (mla_q_lora, ("q_b_expand_kv_b_q",)),
         (moe_lora, ("moe_lora_gate_up", "moe_lora_down", "moe_lora_epilogue")),
     ):
         for name in names:
@@ -183,6 +184,58 @@ def test_triton_lora_kernels_in_the_model_match_peft(tiny_model_dirs, monkeypatc
     scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, [2, -1, 0], strict=True)])
     scenario.run([3, 4, 0], [1, 1, 3])
     _check(scenario, [cases[0][0], build_tiny_model(spec), cases[1][0]])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one_launch", "two_launches"])
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_decode_steps_expand_q_b_with_kv_b_query_correction(
+    tiny_model_dirs, monkeypatch, kernels, fused
+):
+    """Steps of decodes only take q_b's expand and kv_b's query correction together
+    (`apply.finish_q_b_lora_with_kv_b_q`), steps with a prompt the two separate calls; with
+    the fused call switched off, decodes take the separate ones too. Adapters of ranks 4
+    and 16 (whose q_b and kv_b ranks differ by rank_pattern) and the base share the batch,
+    and each sequence's logprobs equal its peft model's."""
+    from inference_svc.lora import apply
+
+    if kernels == "triton":
+        _route_through_triton(monkeypatch, "auto")
+    monkeypatch.setattr(apply, "Q_B_EXPAND_WITH_KV_B_Q", fused)
+    rows: dict[str, list[int]] = {"fused": [], "separate": []}
+    for name, key in (("q_b_expand_kv_b_q_ref", "fused"), ("mla_kv_b_lora_q_ref", "separate")):
+        monkeypatch.setattr(apply, name, _recording(getattr(apply, name), rows[key]))
+    spec = "v3_q_lora"
+    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=3, max_rank=16)
+    cases = [
+        peft_case(spec, rank=4, seed=20, rank_pattern={"kv_b_proj": 2}),
+        peft_case(spec, rank=16, seed=21, rank_pattern={"q_b_proj": 8}),
+    ]
+    for slot, (_, adapter) in zip((2, 0), cases, strict=True):
+        runner.lora_pool.load(slot, adapter)
+    tokens = random_tokens([6, 7, 5], seed=22)
+    scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, [2, -1, 0], strict=True)])
+    scenario.run([3, 4, 0], [1, 1, 3])
+    _check(scenario, [cases[0][0], build_tiny_model(spec), cases[1][0]], build_tiny_model(spec))
+    layers = tiny_config(spec).num_hidden_layers
+    decode_rows = [3] * 2 * layers  # the two decode-only steps after the prompt steps
+    prompt_step_rows = [2] * layers  # the second prompt step's two decodes
+    if fused:
+        assert rows["fused"] == decode_rows
+        assert rows["separate"] == prompt_step_rows
+    else:
+        assert rows["fused"] == []
+        assert rows["separate"] == prompt_step_rows + decode_rows
+
+
+def _recording(launcher, rows: list[int]):  # type: ignore[no-untyped-def]
+    """`launcher`, recording the token count of each call (its second argument's rows for
+    the query correction, the third's, q, for the fused call)."""
+
+    def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        rows.append(args[2].shape[0] if launcher.__name__.startswith("q_b") else args[0].shape[0])
+        return launcher(*args, **kwargs)
+
+    return run
 
 
 @pytest.mark.parametrize(
