@@ -209,7 +209,8 @@ def set_kv_b_absorbed_q(
 
 # A decode step's q_b LoRA expand and kv_b's absorbed query correction in one launch
 # (kernels.mla_q_lora): the correction reads only the expanded q_nope, so its own launch
-# after the latent-cache write goes. False: the two launches (bench patch "q_b_kv_b_q").
+# after the latent-cache write goes. False: the two launches (bench.lora_decode_overhead
+# kernel set "q_b_kv_b_q_separate").
 Q_B_EXPAND_WITH_KV_B_Q = True
 
 
