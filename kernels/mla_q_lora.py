@@ -18,6 +18,8 @@ kv_lora_rank, S pool slots, Rq / Rk q_b's / kv_b's pool rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -170,22 +172,30 @@ def _q_b_expand_kv_b_q_kernel(
             )
 
 
+@dataclass(frozen=True)
+class QueryLora:
+    """What the launch reads besides q and q_lat.
+
+    y: [T, Rq] q_b's shrink (float32 or the weights' dtype); qb_B: [S, H·(D+P), Rq] q_b's
+    pool B; segs: the step's segments with q_b's per-slot ranks; kv_A: [S, Rk, C], kv_B:
+    [S, H·(D+V), Rk] kv_b's pool; kv_rank: int32 [S] kv_b's per-slot ranks; nope_dim: D.
+    """
+
+    y: Tensor
+    qb_B: Tensor
+    segs: LoraSegments
+    kv_A: Tensor
+    kv_B: Tensor
+    kv_rank: Tensor
+    nope_dim: int
+
+
 def fits(qb_B: Tensor, kv_A: Tensor) -> bool:
     """Whether one launch takes these pools (both pool ranks within MAX_POOL_RANK)."""
     return max(qb_B.shape[2], kv_A.shape[1]) <= MAX_POOL_RANK
 
 
-def q_b_expand_kv_b_q(
-    y: Tensor,
-    qb_B: Tensor,
-    q: Tensor,
-    segs: LoraSegments,
-    kv_A: Tensor,
-    kv_B: Tensor,
-    kv_rank: Tensor,
-    q_lat: Tensor,
-    nope_dim: int,
-) -> None:
+def q_b_expand_kv_b_q(q: Tensor, q_lat: Tensor, lora: QueryLora) -> None:
     """Semantics (every row of the step is a decode token):
 
         q[t] += y[t, :rq] · qb_B[slot, :, :rq]ᵀ                        (q_b's LoRA expand)
@@ -195,24 +205,23 @@ def q_b_expand_kv_b_q(
     after the expand, B_k[s,h] = kv_B[s, h(D+V) : h(D+V)+D], and q_lat[t] = 0 where rk is 0.
 
     Args:
-        y: [T, Rq] q_b's shrink (float32 or the weights' dtype).
-        qb_B: [S, H·(D+P), Rq] q_b's pool B; q: [T, H·(D+P)] q_b's output, updated in place.
-        segs: the step's segments with q_b's per-slot ranks.
-        kv_A: [S, Rk, C], kv_B: [S, H·(D+V), Rk] kv_b's pool; kv_rank: int32 [S] its ranks.
+        q: [T, H·(D+P)] q_b's output, updated in place.
         q_lat: [T, H, C] overwritten (may be a strided view).
-        nope_dim: D.
+        lora: the two modules' operands (`QueryLora`).
     """
     num_tokens, num_heads, lat = q_lat.shape
-    _check(y, qb_B, q, segs, kv_A, kv_B, kv_rank, q_lat, nope_dim)
+    _check(q, q_lat, lora)
     if num_tokens == 0:
         return
+    y, qb_B, segs, kv_A, kv_B = lora.y, lora.qb_B, lora.segs, lora.kv_A, lora.kv_B
+    nope_dim = lora.nope_dim
     rope_dim = q.shape[1] // num_heads - nope_dim
     programs = min(segs.grid_segments() * num_heads, PROGRAMS_PER_SM * num_sms(q.device))
     fast(_q_b_expand_kv_b_q_kernel)[(programs,)](
-        y, qb_B, q, kv_A, kv_B, q_lat, segs.seg_indptr, segs.seg_slot, segs.slot_rank, kv_rank,
-        segs.num_segments, num_heads, nope_dim, rope_dim, lat, *y.stride(), *qb_B.stride(),
-        *q.stride(), *kv_A.stride(), kv_B.stride(0), kv_B.shape[1] // num_heads * kv_B.stride(1),
-        *kv_B.stride()[1:], *q_lat.stride(),
+        y, qb_B, q, kv_A, kv_B, q_lat, segs.seg_indptr, segs.seg_slot, segs.slot_rank,
+        lora.kv_rank, segs.num_segments, num_heads, nope_dim, rope_dim, lat, *y.stride(),
+        *qb_B.stride(), *q.stride(), *kv_A.stride(), kv_B.stride(0),
+        kv_B.shape[1] // num_heads * kv_B.stride(1), *kv_B.stride()[1:], *q_lat.stride(),
         BLOCK_T=segs.max_seg_len, BLOCK_D=_tile(nope_dim), BLOCK_P=_tile(rope_dim),
         BLOCK_RQ=_tile(qb_B.shape[2]), BLOCK_RK=_tile(kv_A.shape[1]),
         BLOCK_C=min(_tile(lat), LATENT_BLOCK),
@@ -221,24 +230,14 @@ def q_b_expand_kv_b_q(
     )  # fmt: skip
 
 
-def q_b_expand_kv_b_q_ref(
-    y: Tensor,
-    qb_B: Tensor,
-    q: Tensor,
-    segs: LoraSegments,
-    kv_A: Tensor,
-    kv_B: Tensor,
-    kv_rank: Tensor,
-    q_lat: Tensor,
-    nope_dim: int,
-) -> None:
+def q_b_expand_kv_b_q_ref(q: Tensor, q_lat: Tensor, lora: QueryLora) -> None:
     """Torch reference of `q_b_expand_kv_b_q`: the two separate references, in place."""
     num_tokens, num_heads, _ = q_lat.shape
-    _check(y, qb_B, q, segs, kv_A, kv_B, kv_rank, q_lat, nope_dim)
-    sgmv_expand_ref(y, qb_B, q, segs, [0, q.shape[1]])
-    q_nope = q.view(num_tokens, num_heads, -1)[:, :, :nope_dim]  # [T, H, D]
-    kv_segs = segs.with_slot_rank(kv_rank)
-    mla_kv_b_lora_q_ref(q_nope, q_lat, kv_A, kv_B, kv_segs, accumulate=False)
+    _check(q, q_lat, lora)
+    sgmv_expand_ref(lora.y, lora.qb_B, q, lora.segs, [0, q.shape[1]])
+    q_nope = q.view(num_tokens, num_heads, -1)[:, :, : lora.nope_dim]  # [T, H, D]
+    kv_segs = lora.segs.with_slot_rank(lora.kv_rank)
+    mla_kv_b_lora_q_ref(q_nope, q_lat, lora.kv_A, lora.kv_B, kv_segs, accumulate=False)
 
 
 def _tile(n: int) -> int:
@@ -246,19 +245,10 @@ def _tile(n: int) -> int:
     return next_power_of_2(max(n, 16))
 
 
-def _check(
-    y: Tensor,
-    qb_B: Tensor,
-    q: Tensor,
-    segs: LoraSegments,
-    kv_A: Tensor,
-    kv_B: Tensor,
-    kv_rank: Tensor,
-    q_lat: Tensor,
-    nope_dim: int,
-) -> None:
+def _check(q: Tensor, q_lat: Tensor, lora: QueryLora) -> None:
     """Validate the two pools against the activations (messages name the mismatch)."""
     num_tokens, num_heads, lat = q_lat.shape
+    qb_B, kv_A, kv_B, nope_dim = lora.qb_B, lora.kv_A, lora.kv_B, lora.nope_dim
     for name, w in (("qb_B", qb_B), ("kv_A", kv_A), ("kv_B", kv_B)):
         if w.dim() != 3 or w.dtype != q.dtype or w.stride(-1) != 1:
             raise ValueError(
@@ -282,8 +272,10 @@ def _check(
             f"kv_A {tuple(kv_A.shape)} / kv_B {tuple(kv_B.shape)} / qb_B {tuple(qb_B.shape)} are "
             f"not pools of one size for latent {lat}"
         )
-    if y.shape != (num_tokens, qb_B.shape[2]):
-        raise ValueError(f"y {tuple(y.shape)} != [{num_tokens}, {qb_B.shape[2]}]")
-    if kv_rank.shape != (kv_A.shape[0],) or kv_rank.dtype != torch.int32:
-        raise ValueError(f"kv_rank must be int32 [{kv_A.shape[0]}], got {tuple(kv_rank.shape)}")
-    segs.require_tokens(num_tokens)
+    if lora.y.shape != (num_tokens, qb_B.shape[2]):
+        raise ValueError(f"y {tuple(lora.y.shape)} != [{num_tokens}, {qb_B.shape[2]}]")
+    if lora.kv_rank.shape != (kv_A.shape[0],) or lora.kv_rank.dtype != torch.int32:
+        raise ValueError(
+            f"kv_rank must be int32 [{kv_A.shape[0]}], got {tuple(lora.kv_rank.shape)}"
+        )
+    lora.segs.require_tokens(num_tokens)

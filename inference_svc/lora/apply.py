@@ -26,8 +26,8 @@ from kernels.mla_lora import (
     mla_kv_b_lora_q,
     mla_kv_b_lora_q_ref,
 )
+from kernels.mla_q_lora import QueryLora, q_b_expand_kv_b_q, q_b_expand_kv_b_q_ref
 from kernels.mla_q_lora import fits as mla_q_lora_fits
-from kernels.mla_q_lora import q_b_expand_kv_b_q, q_b_expand_kv_b_q_ref
 from kernels.moe_lora import (
     PAIRS_MAX_PAIRS,
     MoeLoraEpilogue,
@@ -237,7 +237,8 @@ def finish_q_b_lora_with_kv_b_q(
     if q.is_cuda and pending.stream is not None:
         torch.cuda.current_stream(q.device).wait_stream(pending.stream)
     apply = q_b_expand_kv_b_q if q.is_cuda else q_b_expand_kv_b_q_ref
-    apply(pending.y, q_b.b, q, pending.segments, kv_b.a, kv_b.b, kv_b.rank, q_lat, nope_dim)
+    lora = QueryLora(pending.y, q_b.b, pending.segments, kv_b.a, kv_b.b, kv_b.rank, nope_dim)
+    apply(q, q_lat, lora)
 
 
 def add_kv_b_absorbed_o(o_lat: Tensor, o: Tensor, weights: LoraWeights, segs: LoraSegments) -> None:

@@ -4,11 +4,18 @@ deltas of both modules."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kernels.lora_segments import LoraSegmentsConfig, allocate_lora_segments, build_lora_segments
-from kernels.mla_q_lora import MAX_POOL_RANK, q_b_expand_kv_b_q, q_b_expand_kv_b_q_ref
+from kernels.mla_q_lora import (
+    MAX_POOL_RANK,
+    QueryLora,
+    q_b_expand_kv_b_q,
+    q_b_expand_kv_b_q_ref,
+)
 from tests.kernels.lora_cases import (
     POPULARITIES,
     assert_close,
@@ -50,16 +57,15 @@ def _expected(case, nope):  # type: ignore[no-untyped-def]
     """(q, q_lat) of the float32 reference on the case's values."""
     segs, y, qb_B, q, kv_A, kv_B, kv_rank, q_lat = case
     q, q_lat = q.float().clone(), torch.zeros_like(q_lat, dtype=torch.float32)
-    q_b_expand_kv_b_q_ref(
-        y, qb_B.float(), q, segs, kv_A.float(), kv_B.float(), kv_rank, q_lat, nope
-    )
+    lora = QueryLora(y, qb_B.float(), segs, kv_A.float(), kv_B.float(), kv_rank, nope)
+    q_b_expand_kv_b_q_ref(q, q_lat, lora)
     return q, q_lat
 
 
 def _run(case, nope):  # type: ignore[no-untyped-def]
     segs, y, qb_B, q, kv_A, kv_B, kv_rank, q_lat = case
     q, q_lat = q.clone(), q_lat.clone()
-    q_b_expand_kv_b_q(y, qb_B, q, segs, kv_A, kv_B, kv_rank, q_lat, nope)
+    q_b_expand_kv_b_q(q, q_lat, QueryLora(y, qb_B, segs, kv_A, kv_B, kv_rank, nope))
     return q, q_lat
 
 
@@ -121,7 +127,8 @@ def test_reference_equals_dense_deltas_in_fp64() -> None:
     case = _case("distinct", 11, 8, torch.float64, seed=5)
     segs, y, qb_B, q, kv_A, kv_B, kv_rank, _ = case
     got_q, got_lat = q.clone(), torch.full((11, heads, lat), 7.0, dtype=torch.float64)
-    q_b_expand_kv_b_q_ref(y.double(), qb_B, got_q, segs, kv_A, kv_B, kv_rank, got_lat, nope)
+    lora = QueryLora(y.double(), qb_B, segs, kv_A, kv_B, kv_rank, nope)
+    q_b_expand_kv_b_q_ref(got_q, got_lat, lora)
     for t, slot in enumerate(segs.token_slot[:11].tolist()):
         want_q, want_lat = q[t].clone(), torch.zeros(heads, lat, dtype=torch.float64)
         if slot >= 0:
@@ -136,18 +143,18 @@ def test_reference_equals_dense_deltas_in_fp64() -> None:
 
 def test_launcher_rejects_what_it_cannot_take() -> None:
     segs, y, qb_B, q, kv_A, kv_B, kv_rank, q_lat = _case("distinct", 4, 16, torch.float32, 6)
-    nope = DIMS[1]
+    lora = QueryLora(y, qb_B, segs, kv_A, kv_B, kv_rank, DIMS[1])
     with pytest.raises(ValueError, match="exceed"):
         wide = torch.zeros(NUM_SLOTS, qb_B.shape[1], MAX_POOL_RANK * 2)
-        q_b_expand_kv_b_q(y, wide, q, segs, kv_A, kv_B, kv_rank, q_lat, nope)
+        q_b_expand_kv_b_q(q, q_lat, replace(lora, qb_B=wide))
     with pytest.raises(ValueError, match="nope_dim"):
-        q_b_expand_kv_b_q(y, qb_B, q, segs, kv_A, kv_B, kv_rank, q_lat, DIMS[1] + DIMS[2])
+        q_b_expand_kv_b_q(q, q_lat, replace(lora, nope_dim=DIMS[1] + DIMS[2]))
     with pytest.raises(ValueError, match="y "):
-        q_b_expand_kv_b_q(y[:, :8], qb_B, q, segs, kv_A, kv_B, kv_rank, q_lat, nope)
+        q_b_expand_kv_b_q(q, q_lat, replace(lora, y=y[:, :8]))
     with pytest.raises(ValueError, match="kv_rank"):
-        q_b_expand_kv_b_q(y, qb_B, q, segs, kv_A, kv_B, kv_rank.long(), q_lat, nope)
+        q_b_expand_kv_b_q(q, q_lat, replace(lora, kv_rank=kv_rank.long()))
     with pytest.raises(ValueError, match="latent"):
-        q_b_expand_kv_b_q(y, qb_B, q, segs, kv_A, kv_B, kv_rank, q_lat[:, :, :-1], nope)
+        q_b_expand_kv_b_q(q, q_lat[:, :, :-1], lora)
 
 
 # ---- GPU (bf16, compiled, DeepSeek-V3 head shapes) -----------------------------------------
@@ -173,11 +180,12 @@ def test_cuda_graph_replay_with_more_segments() -> None:
     big = allocate_lora_segments(LoraSegmentsConfig(32, NUM_SLOTS), "cuda")
     q = q0.clone()
     build_lora_segments([1] * 32, segs.slot_rank, out=big)
-    q_b_expand_kv_b_q(y, qb_B, q, big, kv_A, kv_B, kv_rank, q_lat, 128)
+    lora = QueryLora(y, qb_B, big, kv_A, kv_B, kv_rank, 128)
+    q_b_expand_kv_b_q(q, q_lat, lora)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q_b_expand_kv_b_q(y, qb_B, q, big, kv_A, kv_B, kv_rank, q_lat, 128)
+        q_b_expand_kv_b_q(q, q_lat, lora)
     build_lora_segments(segs.token_slot[:32].tolist(), segs.slot_rank, out=big)
     assert big.num_live_segments > 1
     q.copy_(q0)

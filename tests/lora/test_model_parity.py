@@ -228,11 +228,11 @@ def test_decode_steps_expand_q_b_with_kv_b_query_correction(
 
 
 def _recording(launcher, rows: list[int]):  # type: ignore[no-untyped-def]
-    """`launcher`, recording the token count of each call (its second argument's rows for
-    the query correction, the third's, q, for the fused call)."""
+    """`launcher`, recording the token count of each call (its first argument's rows:
+    q_nope for the query correction, q for the fused call)."""
 
     def run(*args, **kwargs):  # type: ignore[no-untyped-def]
-        rows.append(args[2].shape[0] if launcher.__name__.startswith("q_b") else args[0].shape[0])
+        rows.append(args[0].shape[0])
         return launcher(*args, **kwargs)
 
     return run
