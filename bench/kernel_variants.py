@@ -18,16 +18,19 @@ from unittest import mock
 
 import torch
 
+import inference_svc.engine.model_runner as model_runner
 import inference_svc.layers.linear as linear_layer
 import inference_svc.layers.mla as mla_layer
 import inference_svc.layers.moe as moe_layer
 import inference_svc.layers.norm as norm_layer
+import inference_svc.layers.rope as rope_layer
 import inference_svc.models.deepseek_v3 as model_module
 from kernels import fused_moe as fm
 from kernels import moe_routing
+from kernels.decode_inputs import set_decode_inputs_ref
 from kernels.mla_attention import MLA_DECODE_CONFIGS, mla_decode
 from kernels.rms_norm import RoutedPairs, rms_norm_ref
-from kernels.rope import rope, rope_ref
+from kernels.rope import rope, rope_cos_sin_ref, rope_ref
 
 
 def block_m_v1(num_pairs: int, num_experts: int, scheme: str = "float") -> int:
@@ -128,6 +131,10 @@ PATCHES = {
     # The routed experts' SiLU·mul as its own launch after the gate_up GEMM (before it rode
     # in the GEMM's epilogue).
     "silu_epilogue": (moe_layer, "SILU_IN_GATE_UP_MAX_TOKENS", 0),
+    # The step's RoPE cos/sin tables as six torch launches (before one).
+    "cos_sin": (rope_layer, "rope_cos_sin", rope_cos_sin_ref),
+    # A replay's inputs copied and padded field by field with torch ops (before one launch).
+    "decode_inputs": (model_runner, "set_decode_inputs", set_decode_inputs_ref),
 }
 # name → (module, attribute, value): kernels newer than v2, not yet the model's default.
 UPGRADES: dict[str, tuple] = {

@@ -1,4 +1,5 @@
-"""Rotary embedding of the rope slice of MLA queries/keys in one launch.
+"""Rotary embedding of the rope slice of MLA queries/keys in one launch, and the step's
+cos/sin tables in one launch.
 
 The torch form (`rope_ref`) is 9 kernels per call. The model rotates inside
 `kernels.latent_cache` with this module's jitted `pair_columns` / `rotate_pairs`; the
@@ -105,3 +106,58 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
             INTERLEAVE=interleave,
         )  # fmt: skip
     return out.view(x.shape)
+
+
+def rope_cos_sin_ref(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: cos, sin [T, dim/2] float32 of the angles positions[t] · inv_freq[i],
+    each times `scale` (YaRN's attention factor). positions: int [T]; inv_freq: float32
+    [dim/2]. Six torch kernels."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, dim/2]
+    return angles.cos() * scale, angles.sin() * scale
+
+
+# Rows of the cos/sin tables a program writes.
+COS_SIN_BLOCK_T = 32
+
+
+@triton.jit(do_not_specialize=["T"])
+def _cos_sin_kernel(
+    pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, T, scale,
+    HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """The float32 ops of `rope_cos_sin_ref`, in its order: the product, cos / sin, the
+    scale."""
+    grid_dependency_control()
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    mask_t, mask_i = offs_t < T, offs_i < HALF
+    pos = tl.load(pos_ptr + offs_t, mask=mask_t, other=0).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + offs_i, mask=mask_i, other=0.0)
+    angles = pos[:, None] * inv_freq[None, :]  # [t, i]
+    offs = offs_t[:, None].to(tl.int64) * HALF + offs_i[None, :]
+    mask = mask_t[:, None] & mask_i[None, :]
+    tl.store(cos_ptr + offs, tl.cos(angles) * scale, mask=mask)
+    tl.store(sin_ptr + offs, tl.sin(angles) * scale, mask=mask)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `rope_cos_sin_ref`: one launch instead of six (a decode step's
+    first kernels, ahead of every layer)."""
+    if positions.dim() != 1 or inv_freq.dim() != 1 or inv_freq.dtype != torch.float32:
+        raise ValueError(
+            f"positions must be [T] and inv_freq float32 [dim/2]: {tuple(positions.shape)}, "
+            f"{tuple(inv_freq.shape)} {inv_freq.dtype}"
+        )
+    tokens, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty((tokens, half), dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if tokens:
+        fast(_cos_sin_kernel)[(cdiv(tokens, COS_SIN_BLOCK_T),)](
+            positions.contiguous(), inv_freq.contiguous(), cos, sin, tokens, scale,
+            HALF=half, BLOCK_T=COS_SIN_BLOCK_T, BLOCK_HALF=next_power_of_2(half),
+        )  # fmt: skip
+    return cos, sin

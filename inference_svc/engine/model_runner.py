@@ -22,6 +22,7 @@ from inference_svc.lora.attach import attach_lora_pool
 from inference_svc.lora.batch import LoraBatch
 from inference_svc.lora.pool import LoraPool
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
+from kernels.decode_inputs import DecodeInputs, set_decode_inputs
 from kernels.lora_segments import (
     NO_SLOT,
     LoraSegmentsConfig,
@@ -52,7 +53,7 @@ class _DecodeGraph:
     graph: torch.cuda.CUDAGraph
     input_ids: torch.Tensor
     batch: BatchMetadata
-    logits: torch.Tensor
+    logits: torch.Tensor  # [size, vocab] in the model's dtype: lm_head's output
 
 
 class ModelRunner:
@@ -130,18 +131,19 @@ class ModelRunner:
             lora=self._static_lora_batch(size, lora_pool) if lora_pool is not None else None,
         )
         input_ids = torch.empty(size, dtype=torch.int64, device=device)
-        self._pad_rows(input_ids, batch, 0)
+        self._pad_rows(input_ids, batch)
         return input_ids, batch
 
-    def _pad_rows(self, input_ids: torch.Tensor, batch: BatchMetadata, start: int) -> None:
-        """Rows start.. of a graph's inputs as padding: token 0 at position 0, one cached
-        token, on the scratch page."""
+    def _pad_rows(self, input_ids: torch.Tensor, batch: BatchMetadata) -> None:
+        """Every row of a graph's inputs as padding: token 0 at position 0, one cached token,
+        on the scratch page (a replay pads the rows past its batch the same way:
+        kernels.decode_inputs)."""
         scratch = self.kv_cache.scratch_page
-        input_ids[start:].zero_()
-        batch.positions[start:].zero_()
-        batch.slot_mapping[start:].fill_(scratch * self.config.page_size)
-        batch.context_lens[start:].fill_(1)
-        batch.page_table[start:].fill_(scratch)
+        input_ids.zero_()
+        batch.positions.zero_()
+        batch.slot_mapping.fill_(scratch * self.config.page_size)
+        batch.context_lens.fill_(1)
+        batch.page_table.fill_(scratch)
 
     @torch.inference_mode()
     def capture_decode_graphs(self) -> None:
@@ -159,7 +161,7 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     hidden = self.model(input_ids, batch, self.kv_cache)
-                    logits = self.model.compute_logits(hidden)
+                    logits = self.model.lm_head(hidden)
                 pool = graph.pool()
                 with_lora = lora_pool is not None
                 self._graphs[size, with_lora] = _DecodeGraph(size, graph, input_ids, batch, logits)
@@ -173,20 +175,26 @@ class ModelRunner:
 
     def _replay(self, g: _DecodeGraph, input_ids: torch.Tensor, batch: BatchMetadata):
         n, static = batch.num_seqs, g.batch
-        # The step's rows in one multi-tensor copy; the page table's columns past the
-        # batch's keep what they held (no kernel reads a page entry past its sequence's
-        # context: the decode kernels mask those loads).
-        torch._foreach_copy_(
-            [g.input_ids[:n], static.positions[:n], static.slot_mapping[:n],
-             static.context_lens[:n], static.page_table[:n, : batch.page_table.shape[1]]],
-            [input_ids, batch.positions, batch.slot_mapping, batch.context_lens,
-             batch.page_table],
+        # The step's rows and the padding rows past them in one launch; the page table's
+        # columns past the batch's keep what they held (no kernel reads a page entry past
+        # its sequence's context: the decode kernels mask those loads).
+        set_decode_inputs(
+            _decode_inputs(g.input_ids, static), _decode_inputs(input_ids, batch),
+            self.kv_cache.scratch_page, self.config.page_size,
         )  # fmt: skip
-        if n < g.size:
-            self._pad_rows(g.input_ids, static, n)
         if static.lora is not None and batch.lora is not None:
             # Rows n.. of the graph's batch get slot -1: padding does no LoRA work.
             slot_rank = batch.lora.tokens.slot_rank
             build_lora_segments(batch.lora.token_slots, slot_rank, out=static.lora.tokens)
         g.graph.replay()
-        return g.logits[:n][batch.logits_indices]
+        # A decode-only batch wants the logits of every row, in order (logits_indices is
+        # arange(n)), so no gather: the float32 conversion is the one launch after the
+        # replay, and it returns a new tensor, as the eager path does, that the next replay
+        # leaves alone.
+        return g.logits[:n].to(torch.float32, copy=True)
+
+
+def _decode_inputs(input_ids: torch.Tensor, batch: BatchMetadata) -> DecodeInputs:
+    return DecodeInputs(
+        input_ids, batch.positions, batch.slot_mapping, batch.context_lens, batch.page_table
+    )

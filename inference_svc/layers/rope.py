@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from inference_svc.model.config import RopeConfig, yarn_mscale
+from kernels.rope import rope_cos_sin, rope_cos_sin_ref
 
 
 def rope_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
@@ -62,5 +63,5 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, dim/2] in float32 for integer positions [T]."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
-        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        tables = rope_cos_sin if positions.is_cuda else rope_cos_sin_ref
+        return tables(positions, self.inv_freq, self.attention_factor)

@@ -15,7 +15,7 @@ from kernels.rms_norm import (
     rms_norm,
     rms_norm_ref,
 )
-from kernels.rope import rope, rope_ref
+from kernels.rope import rope, rope_cos_sin, rope_cos_sin_ref, rope_ref
 from tests.fixtures.triton_interpret import kernel_device
 
 DEVICE = kernel_device()
@@ -68,6 +68,31 @@ def test_rope_matches_ref_bitwise(dtype, interleave, shape):
         torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)
     else:
         assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize(
+    "on_gpu", [False, pytest.param(True, marks=[pytest.mark.gpu, _needs_cuda])]
+)
+@pytest.mark.parametrize(
+    "tokens,half,scale", [(1, 32, 1.0), (70, 32, 1.3), (33, 24, 0.7), (0, 32, 1.0)]
+)
+def test_rope_cos_sin_matches_ref(on_gpu, tokens, half, scale):
+    """One launch for the step's cos/sin tables: the torch form's fp32 ops, so within an ulp
+    or two of its values and of cos/sin of the same fp32 angles in float64, out to the
+    positions of a 160k context (an approximate cos loses its range reduction there)."""
+    if on_gpu and DEVICE != "cuda":
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(tokens + half)
+    positions = torch.randint(0, 163_840, (tokens,), generator=g)
+    positions[: min(tokens, 3)] = torch.tensor([0, 1, 163_839])[: min(tokens, 3)]
+    inv_freq = 10_000.0 ** -(torch.arange(half, dtype=torch.float32) / half)
+    cos, sin = rope_cos_sin(positions.to(DEVICE), inv_freq.to(DEVICE), scale)
+    ref_cos, ref_sin = rope_cos_sin_ref(positions, inv_freq, scale)
+    assert cos.shape == sin.shape == (tokens, half) and cos.dtype == sin.dtype == torch.float32
+    angles = (positions.float()[:, None] * inv_freq[None, :]).double()
+    for ours, ref, exact in ((cos, ref_cos, angles.cos()), (sin, ref_sin, angles.sin())):
+        torch.testing.assert_close(ours.cpu(), ref, atol=1e-6 * scale, rtol=0)
+        assert ((ours.cpu().double() - exact * scale).abs() <= 1e-6 * scale).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
