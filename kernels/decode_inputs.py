@@ -43,7 +43,9 @@ class DecodeInputs:
         return self.input_ids.shape[0]
 
 
-def set_decode_inputs_ref(dst: DecodeInputs, src: DecodeInputs, pad_page: int, page_size: int):
+def set_decode_inputs_ref(
+    dst: DecodeInputs, src: DecodeInputs, pad_page: int, page_size: int
+) -> None:
     """Semantics: rows [0, n) of dst take src's (the page table its first P columns); rows
     [n, B) are padding: token 0 at position 0 with one cached token in slot
     pad_page · page_size, page_table[:, :P] = pad_page. Page-table columns past P keep what
@@ -87,7 +89,7 @@ def _set_decode_inputs_kernel(
         tl.store(table_dst + row.to(tl.int64) * stride_dst + offs, entries, mask=mask)
 
 
-def set_decode_inputs(dst: DecodeInputs, src: DecodeInputs, pad_page: int, page_size: int):
+def set_decode_inputs(dst: DecodeInputs, src: DecodeInputs, pad_page: int, page_size: int) -> None:
     """`set_decode_inputs_ref` in one launch (one program per row of dst)."""
     _check(dst, src)
     pages = src.page_table.shape[1]
