@@ -101,6 +101,13 @@ def set_decode_inputs(dst: DecodeInputs, src: DecodeInputs, pad_page: int, page_
     )  # fmt: skip
 
 
+def pad_decode_inputs(dst: DecodeInputs, pad_page: int, page_size: int) -> None:
+    """Every row of dst as padding, across its whole page table: `set_decode_inputs` from
+    a step of no rows (a graph's inputs before their first replay)."""
+    empty = DecodeInputs(*(t[:0] for t in vars(dst).values()))
+    set_decode_inputs(dst, empty, pad_page, page_size)
+
+
 def _check(dst: DecodeInputs, src: DecodeInputs) -> None:
     """Rows, widths, dtypes and strides the kernel relies on (messages name the mismatch)."""
     if src.rows > dst.rows or src.page_table.shape[1] > dst.page_table.shape[1]:

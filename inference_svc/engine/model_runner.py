@@ -22,7 +22,7 @@ from inference_svc.lora.attach import attach_lora_pool
 from inference_svc.lora.batch import LoraBatch
 from inference_svc.lora.pool import LoraPool
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
-from kernels.decode_inputs import DecodeInputs, set_decode_inputs
+from kernels.decode_inputs import DecodeInputs, pad_decode_inputs, set_decode_inputs
 from kernels.lora_segments import (
     NO_SLOT,
     LoraSegmentsConfig,
@@ -51,7 +51,7 @@ class _DecodeGraph:
 
     size: int
     graph: torch.cuda.CUDAGraph
-    input_ids: torch.Tensor
+    inputs: DecodeInputs  # the static token ids and the batch's per-row tensors
     batch: BatchMetadata
     logits: torch.Tensor  # [size, vocab] in the model's dtype: lm_head's output
 
@@ -112,8 +112,9 @@ class ModelRunner:
 
     def _static_decode_batch(
         self, size: int, lora_pool: LoraPool | None
-    ) -> tuple[torch.Tensor, BatchMetadata]:
-        """Inputs of a padding-only decode batch: every row reads/writes the scratch page."""
+    ) -> tuple[DecodeInputs, BatchMetadata]:
+        """Inputs of a padding-only decode batch: token 0 at position 0 with one cached token,
+        every row reading/writing the scratch page."""
         device = self.device
         batch = BatchMetadata(
             positions=torch.empty(size, dtype=torch.int64, device=device),
@@ -130,20 +131,9 @@ class ModelRunner:
             page_size=self.config.page_size,
             lora=self._static_lora_batch(size, lora_pool) if lora_pool is not None else None,
         )
-        input_ids = torch.empty(size, dtype=torch.int64, device=device)
-        self._pad_rows(input_ids, batch)
-        return input_ids, batch
-
-    def _pad_rows(self, input_ids: torch.Tensor, batch: BatchMetadata) -> None:
-        """Every row of a graph's inputs as padding: token 0 at position 0, one cached token,
-        on the scratch page (a replay pads the rows past its batch the same way:
-        kernels.decode_inputs)."""
-        scratch = self.kv_cache.scratch_page
-        input_ids.zero_()
-        batch.positions.zero_()
-        batch.slot_mapping.fill_(scratch * self.config.page_size)
-        batch.context_lens.fill_(1)
-        batch.page_table.fill_(scratch)
+        inputs = _decode_inputs(torch.empty(size, dtype=torch.int64, device=device), batch)
+        pad_decode_inputs(inputs, self.kv_cache.scratch_page, self.config.page_size)
+        return inputs, batch
 
     @torch.inference_mode()
     def capture_decode_graphs(self) -> None:
@@ -154,17 +144,17 @@ class ModelRunner:
         variants = [None] if self.lora_pool is None else [None, self.lora_pool]
         for size in sorted(self.config.cuda_graph_batch_sizes, reverse=True):
             for lora_pool in variants:
-                input_ids, batch = self._static_decode_batch(size, lora_pool)
+                inputs, batch = self._static_decode_batch(size, lora_pool)
                 # Warm up outside the graph: Triton compiles and autotunes here.
-                self.model.compute_logits(self.model(input_ids, batch, self.kv_cache))
+                self.model.compute_logits(self.model(inputs.input_ids, batch, self.kv_cache))
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(input_ids, batch, self.kv_cache)
+                    hidden = self.model(inputs.input_ids, batch, self.kv_cache)
                     logits = self.model.lm_head(hidden)
                 pool = graph.pool()
                 with_lora = lora_pool is not None
-                self._graphs[size, with_lora] = _DecodeGraph(size, graph, input_ids, batch, logits)
+                self._graphs[size, with_lora] = _DecodeGraph(size, graph, inputs, batch, logits)
 
     def release_decode_graphs(self) -> None:
         """Drop the captured graphs (and their memory pool) so they can be captured anew."""
@@ -179,8 +169,8 @@ class ModelRunner:
         # columns past the batch's keep what they held (no kernel reads a page entry past
         # its sequence's context: the decode kernels mask those loads).
         set_decode_inputs(
-            _decode_inputs(g.input_ids, static), _decode_inputs(input_ids, batch),
-            self.kv_cache.scratch_page, self.config.page_size,
+            g.inputs, _decode_inputs(input_ids, batch), self.kv_cache.scratch_page,
+            self.config.page_size,
         )  # fmt: skip
         if static.lora is not None and batch.lora is not None:
             # Rows n.. of the graph's batch get slot -1: padding does no LoRA work.

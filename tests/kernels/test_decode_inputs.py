@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_inputs import DecodeInputs, set_decode_inputs, set_decode_inputs_ref
+from kernels.decode_inputs import (
+    DecodeInputs,
+    pad_decode_inputs,
+    set_decode_inputs,
+    set_decode_inputs_ref,
+)
 from tests.fixtures.triton_interpret import kernel_device
 
 DEVICE = kernel_device()
@@ -55,6 +60,15 @@ def test_set_decode_inputs_equals_ref(on_gpu, graph_rows, step_rows, graph_pages
     assert torch.equal(ref.slot_mapping[step_rows:].cpu(), torch.full(
         (graph_rows - step_rows,), PAD_PAGE * PAGE_SIZE))  # fmt: skip
     assert (ref.page_table[:, step_pages:] != PAD_PAGE).all()  # untouched columns
+
+
+def test_pad_decode_inputs_pads_every_row_and_page_column():
+    """A graph's inputs before their first replay: all padding, the whole page table."""
+    graph = _inputs(6, 40, torch.Generator().manual_seed(1), DEVICE)
+    pad_decode_inputs(graph, PAD_PAGE, PAGE_SIZE)
+    assert (graph.input_ids == 0).all() and (graph.positions == 0).all()
+    assert (graph.slot_mapping == PAD_PAGE * PAGE_SIZE).all() and (graph.context_lens == 1).all()
+    assert (graph.page_table == PAD_PAGE).all()
 
 
 def test_set_decode_inputs_refuses_a_step_wider_than_the_graph():
