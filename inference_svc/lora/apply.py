@@ -259,12 +259,13 @@ MOE_LORA_IN_GEMM = "auto"
 # Mean rows of one (expert, adapter run) below which "auto" keeps the expand after the
 # GEMM: each adapter in a tile costs the epilogue one serial masked MMA. Rows per key =
 # the token-weighted mean adapter run × top_k / experts (decode rows beside long prompts
-# add a tile of many adapters per expert, not a smaller mean for every tile). H100, 8192/2048-
-# token MoE stage (bench.moe_lora_prefill, v3: the tile's y gathered once per slice): bf16
-# experts 1.14-1.28× faster in the GEMM from 24 rows per key, 0.95× at 6; FP8 (128-column
-# tiles: twice the epilogues) 1.01× at 24, 1.08-1.11× from 96, 0.82× at 6. Quantized
-# schemes other than FP8 are unmeasured: FP8's bound.
-MOE_LORA_IN_GEMM_MIN_ROWS = {"float": 16, "quantized": 24}
+# add a tile of many adapters per expert, not a smaller mean for every tile). H100, MoE
+# stage of 1024-4096 tokens in runs of 16-64 adapters (bench.moe_lora_prefill's stage,
+# twenty-eighth session, two rounds; after ÷ in-GEMM time): bf16 experts 1.04-1.22× from
+# 6 rows per key, 0.94-0.97× at 3, 0.85-0.87× at 1.5; FP8 (128-column tiles: twice the
+# epilogues) 1.08-1.09× at 24, 1.00-1.02× at 12, 0.88-0.93× at 6. (The bf16 bound was 16,
+# from older code's 0.95× at 6.) Quantized schemes other than FP8 are unmeasured: FP8's.
+MOE_LORA_IN_GEMM_MIN_ROWS = {"float": 5, "quantized": 12}
 
 
 def moe_lora_in_gemm(segs: LoraSegments, top_k: int, num_experts: int, quantized: bool) -> bool:

@@ -23,9 +23,10 @@ def _segs(runs: int, tokens: int, base_tokens: int = 0):  # type: ignore[no-unty
     [
         (1, 8192, False, True),  # 768 rows per key
         (32, 8192, False, True),  # 24
-        (32, 2048, False, False),  # 6: the per-adapter epilogue MMAs cost more
+        (32, 2048, False, True),  # 6
+        (64, 1024, False, False),  # 1.5: the per-adapter epilogue MMAs cost more
         (32, 2048, True, False),  # 6: FP8's 128-column tiles, twice the epilogues
-        (8, 2048, True, True),  # 24
+        (16, 2048, True, True),  # 12
         (8, 8192, True, True),  # 96
         (1, 128, False, False),  # decode-sized: the "pairs" kernel after the GEMM
     ],
@@ -37,17 +38,19 @@ def test_auto_placement(runs, tokens, quantized, expected) -> None:  # type: ign
 def test_base_tokens_do_not_count_as_rows_and_a_base_only_step_stays_after() -> None:
     long = PAIRS_MAX_PAIRS // TOP_K + 1
     assert not apply.moe_lora_in_gemm(_segs(0, 0, base_tokens=long), TOP_K, EXPERTS, False)
-    # 1000 base tokens and 700 adapter tokens in 8 runs: 700·6 / (64·8) ≈ 8 rows per key.
-    assert not apply.moe_lora_in_gemm(_segs(8, 700, base_tokens=1000), TOP_K, EXPERTS, False)
+    # 1000 base tokens and 700 adapter tokens in 32 runs: 700·6 / (64·32) ≈ 2 rows per key.
+    assert not apply.moe_lora_in_gemm(_segs(32, 700, base_tokens=1000), TOP_K, EXPERTS, False)
 
 
 def test_decodes_beside_long_prompts_do_not_hide_the_long_runs() -> None:
     """A serving prefill step: 96 one-token decodes of 32 adapters, then 16 prompts of 512
-    tokens of 16 adapters. Per run that is 8288 / 112 = 74 tokens (7 rows per key, "after");
-    token-weighted 506 (47 rows per key): the prompts' tiles see one adapter each."""
+    tokens of 16 adapters. Per run that is 8288 / 112 = 74 tokens (7 rows per key, "after"
+    for FP8 experts); token-weighted 506 (47 rows per key): the prompts' tiles see one
+    adapter each."""
     decodes = [i % 32 for i in range(96)]
     slots = sorted(decodes) + [32 + i // 512 for i in range(16 * 512)]
     segs = build_lora_segments(slots, [16] * 48)
+    assert apply.moe_lora_in_gemm(segs, TOP_K, EXPERTS, quantized=True)
     assert apply.moe_lora_in_gemm(segs, TOP_K, EXPERTS, quantized=False)
 
 
