@@ -57,6 +57,8 @@ BLOCK_P = 16
 # Pairs per block of the epilogue path's shrink: it walks the expert-sorted order, where a
 # block of 64 holds about as few keys as one of 16 and reads each key's A a quarter as often.
 EPILOGUE_BLOCK_P = 64
+# Its K loop's pipeline depth (Triton's default: 3).
+EPILOGUE_SHRINK_STAGES = 4
 # "pairs" re-reads a key's weights once per pair (from L2 when pairs share it): right for
 # decode, where nearly every pair has its own key; "auto" uses "runs" beyond this.
 PAIRS_MAX_PAIRS = 4096
@@ -589,7 +591,7 @@ def moe_lora_epilogue(
     """
     num_slices = _check_shrink(x, A, B, pair_token, pair_expert, x_per_pair)
     walk = _PairWalk.of(pair_token, pair_expert, segs, pair_order, EPILOGUE_BLOCK_P)
-    y = _shrink_runs(x, A, walk, x_per_pair, num_slices, B.shape[3])
+    y = _shrink_runs(x, A, walk, x_per_pair, num_slices, B.shape[3], EPILOGUE_SHRINK_STAGES)
     return MoeLoraEpilogue(y, B, pair_token, segs.token_slot, segs.slot_rank)
 
 
@@ -773,9 +775,16 @@ class _PairWalk:
 
 
 def _shrink_runs(
-    x: Tensor, A: Tensor, walk: _PairWalk, x_per_pair: bool, num_slices: int, pool_rank: int
+    x: Tensor,
+    A: Tensor,
+    walk: _PairWalk,
+    x_per_pair: bool,
+    num_slices: int,
+    pool_rank: int,
+    num_stages: int = 3,
 ) -> Tensor:
-    """y [P, S·R] float32 = per-pair shrink of every slice (zeros past each slot's rank)."""
+    """y [P, S·R] float32 = per-pair shrink of every slice (zeros past each slot's rank);
+    num_stages: the K loop's pipeline depth."""
     num_pairs = walk.meta[4]
     y = torch.zeros(num_pairs, num_slices * pool_rank, dtype=torch.float32, device=x.device)
     if num_pairs == 0:
@@ -804,6 +813,7 @@ def _shrink_runs(
         STACKED=stacked,
         ATOMIC=split_k > 1,
         DOT_PRECISION=dot_precision(x.dtype),
+        num_stages=num_stages,
     )
     return y
 
