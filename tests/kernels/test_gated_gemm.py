@@ -6,7 +6,8 @@ experts; and the reference with `gated_out` is silu_mul_ref of the product.
 Under the CPU interpreter tl.dot is NumPy's matmul, and its BLAS may order a float32 sum
 differently for the gated launch's interleaved column tile than for the plain one (OpenBLAS
 0.3.31 on an AMD EPYC did, by an ulp or two, where earlier CI machines gave equal bits):
-there the two launches agree to one unit in the last place of the output's dtype."""
+there the two launches agree to a few units in the last place of the output's dtype
+(`_assert_launches_agree`)."""
 
 from __future__ import annotations
 
