@@ -56,7 +56,7 @@ def moe_stage(x, experts, lora, way: str) -> torch.Tensor:  # type: ignore[no-un
     act = fm.silu_mul(inter)
     if way == "in_gemm":
         epilogue = moe_lora_epilogue(act, a_d, b_d, pt, pe, segs, x_per_pair=True, pair_order=order)
-    out = fm.grouped_gemm(act, w2, align, 1, s2, block, scheme, lora=epilogue)
+    out = fm.grouped_gemm(act, w2, align, 1, s2, block, scheme, lora=epilogue, role="down")
     if way == "after":
         moe_lora_down(act, out, a_d, b_d, pt, pe, segs, variant="runs", pair_order=order)
     return out

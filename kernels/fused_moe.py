@@ -492,10 +492,12 @@ def grouped_gemm_ref(
     scheme: str | None = None,
     lora: MoeLoraEpilogue | None = None,
     gated_out: bool = False,
+    role: str = "gate_up",
 ) -> torch.Tensor:
     """Semantics: out[p] = a[p // rows_per_a] @ W[expert(p)]ᵀ (+ lora's term) for every
     real pair p, rounded once to a's dtype; `gated_out`: W is gate ⊕ up and the result
-    is silu_mul_ref(out) [P, N/2] (the activation of the rounded product).
+    is silu_mul_ref(out) [P, N/2] (the activation of the rounded product). `role` picks
+    the kernel's tile plan (`default_tiles`) and is only checked here.
 
     Under "w8a8" `a` is first rounded per row to int8 (`per_token_quant_int8_ref`), under
     "block_a8" per row and K-group of bk to e4m3 (`group_quant_fp8_ref`), as the kernel
@@ -508,6 +510,7 @@ def grouped_gemm_ref(
     Returns: [P, N] in a's dtype, float32 accumulation.
     """
     scheme = weight_scheme(scheme, w_scale)
+    default_tiles(align.block_m, scheme, role)  # an unknown role fails here as in the kernel
     k = a.shape[-1]
     a_float = a.float()
     if scheme == "w8a8":
@@ -710,15 +713,26 @@ class GemmTiles:
 
 # Up to 64-row tiles (decode, short prefills) small column tiles and many programs: the
 # weights' bandwidth bounds them, and at 512 tokens no larger plan was faster. 128-row
-# tiles (long prefills) by scheme: what `bench.grouped_gemm_tiles` measured fastest on the
-# H100 at V2-Lite's 8192-token step (bf16 gate_up 1.78×, down 2.47× over 64 × 64 tiles;
-# FP8 block-scaled 1.05× / 1.41× with K tiles of 128; w8a8 and int4 not measured).
+# tiles (long prefills) by scheme and GEMM (`GEMM_ROLES`): what measured fastest on the
+# H100 at V2-Lite's prompt steps (2048-16384 tokens), without LoRA and with the MoE LoRA
+# epilogue. bf16: 256 × 64 tiles (`bench.grouped_gemm_tiles`: gate_up 1.78×, down 2.47×
+# over 64 × 64), down pipelined 4 deep (twenty-ninth session: −4 to −12 %; gate_up's 4
+# stages were mixed). FP8 block-scaled with bf16 activations: 256 × 64 tiles 4 deep
+# (twenty-ninth session, against 128 × 128 × 3: gate_up −6 / −14 to −17 % with LoRA, down
+# −13 / −22 % at 8192 tokens; half the column tiles halve the LoRA epilogues). e4m3
+# activations keep 128 × 128 (256-wide tiles ran 2.9× slower). w8a8, int4 not measured.
 DEFAULT_TILES = GemmTiles()
-PREFILL_TILES = {
-    "float": GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3),
-    "block": GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3),
+GEMM_ROLES = ("gate_up", "down")
+_FP8_PREFILL = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
+_A8_PREFILL = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
+PREFILL_TILES: dict[str, dict[str, GemmTiles]] = {
+    "float": {
+        "gate_up": GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3),
+        "down": GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4),
+    },
+    "block": {"gate_up": _FP8_PREFILL, "down": _FP8_PREFILL},
+    "block_a8": {"gate_up": _A8_PREFILL, "down": _A8_PREFILL},
 }
-PREFILL_TILES["block_a8"] = PREFILL_TILES["block"]  # not tuned on its own
 
 
 # Up to 64-row tiles, by scheme and row tile, where a plan beat DEFAULT_TILES at V2-Lite
@@ -754,9 +768,12 @@ DECODE_TILES: dict[str, dict[int, GemmTiles]] = {
 SCALE_TILES_MIN_ROWS = 128
 
 
-def default_tiles(block_m: int, scheme: str) -> GemmTiles:
+def default_tiles(block_m: int, scheme: str, role: str = "gate_up") -> GemmTiles:
+    """The plan of a `role` GEMM (GEMM_ROLES) over row tiles of block_m under `scheme`."""
+    if role not in GEMM_ROLES:
+        raise ValueError(f"unknown grouped GEMM role {role!r} (known: {GEMM_ROLES})")
     if block_m >= 128:
-        return PREFILL_TILES.get(scheme, DEFAULT_TILES)
+        return PREFILL_TILES.get(scheme, {}).get(role, DEFAULT_TILES)
     return DECODE_TILES.get(scheme, {}).get(block_m, DEFAULT_TILES)
 
 
@@ -772,6 +789,7 @@ def grouped_gemm(
     lora: MoeLoraEpilogue | None = None,
     selection: TokenSelection | None = None,
     gated_out: bool = False,
+    role: str = "gate_up",
 ) -> torch.Tensor:
     """Triton version of `grouped_gemm_ref` (same arguments and result), over the
     alignment's row tiles or over `PairTiles` (then without `lora`); with `selection`
@@ -784,11 +802,12 @@ def grouped_gemm(
     `a` comes quantized so already (QuantizedRows, e.g. from `silu_mul_quant_fp8`).
     "block" (FP8) row tiles of SCALE_TILES_MIN_ROWS and more round each dequantized weight
     tile to a's dtype before its MMA (the reference keeps the scaled weight in float32).
-    tiles: None picks `default_tiles(align.block_m, scheme)`; a scale block along K must be
-    a multiple of the K tile (the FP8 and int4 schemes use min(tiles.block_k, BK)).
+    tiles: None picks `default_tiles(align.block_m, scheme, role)` (role: which of the MoE's
+    GEMMs this is); a scale block along K must be a multiple of the K tile (the FP8 and
+    int4 schemes use min(tiles.block_k, BK)).
     """
     scheme = weight_scheme(scheme, w_scale)
-    tiles = tiles or default_tiles(align.block_m, scheme)
+    tiles = tiles or default_tiles(align.block_m, scheme, role)
     num_experts, n, stored_k = w.shape
     a_scale = None  # the activations' scales (w8a8, block_a8)
     if isinstance(a, QuantizedRows):

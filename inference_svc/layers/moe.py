@@ -302,7 +302,7 @@ class MoE(nn.Module):
         if in_gemm:
             fused = start_moe_lora(act, self.lora_down, *pairs, per_pair=True)
         pair_out = gemm(
-            act, w2.weight, align, 1, w2.scale, w2.block, w2.scheme, lora=fused
+            act, w2.weight, align, 1, w2.scale, w2.block, w2.scheme, lora=fused, role="down"
         )  # [P, hidden]
         if with_lora and not in_gemm:
             add_moe_down(act, pair_out, self.lora_down, *pairs)

@@ -155,16 +155,26 @@ def test_block_m_grows_with_pairs_per_expert():
     assert fm.moe_block_m(256 * 6, 64, "w8a8") == 64
     # Prefill: 64 rows up to ~85 pairs per expert, then 128 (with the long-prefill tiles).
     assert [fm.moe_block_m(t * 6, 64) for t in (512, 900, 911, 8192)] == [64, 64, 128, 128]
-    assert fm.default_tiles(128, "float") == fm.PREFILL_TILES["float"]
+    # Long prefills: each scheme's plan per GEMM; bf16's down pipelines deeper than gate_up.
+    for scheme, plans in fm.PREFILL_TILES.items():
+        for role in fm.GEMM_ROLES:
+            assert fm.default_tiles(128, scheme, role) == plans[role]
+    assert fm.default_tiles(128, "float") == fm.PREFILL_TILES["float"]["gate_up"]
+    assert (
+        fm.PREFILL_TILES["float"]["down"].num_stages
+        > fm.PREFILL_TILES["float"]["gate_up"].num_stages
+    )
+    with pytest.raises(ValueError, match="role 'up'"):
+        fm.default_tiles(128, "float", "up")
     assert fm.default_tiles(64, "float") == fm.default_tiles(128, "w8a8") == fm.GemmTiles()
     # Decode row tiles take the per-scheme plans measured faster, others the default.
     assert fm.default_tiles(16, "block") == fm.DECODE_TILES["block"][16]
     assert fm.default_tiles(32, "float").block_k == 128
     assert fm.default_tiles(16, "w8a8") == fm.default_tiles(16, "int4_group") == fm.GemmTiles()
-    # e4m3 activations: FP8's row tiles and prefill plan, their own decode plans.
+    # e4m3 activations: FP8's row tiles, their own prefill and decode plans.
     a8 = [fm.moe_block_m(b * 6, 64, "block_a8") for b in (1, 64, 128, 256, 512)]
     assert a8 == fp8
-    assert fm.default_tiles(128, "block_a8") == fm.PREFILL_TILES["block"]
+    assert fm.default_tiles(128, "block_a8").block_n < fm.default_tiles(128, "block").block_n
     assert fm.default_tiles(16, "block_a8") == fm.DECODE_TILES["block_a8"][16]
 
 
@@ -197,9 +207,9 @@ def test_grouped_gemm_matches_ref(dtype, pattern, fp8_block, block_m):
     # Down projection: rows are pairs (rows_per_a = 1).
     act = fm.silu_mul_ref(ref).to(dtype)
     w2, s2 = make_experts(experts, hidden, inter, dtype, 4, fp8_block)
-    down = fm.grouped_gemm(act.to(DEVICE), w2.to(DEVICE), align, 1,
-                           None if s2 is None else s2.to(DEVICE), fp8_block)  # fmt: skip
-    down_ref = fm.grouped_gemm_ref(act.float(), w2, align_cpu, 1, s2, fp8_block)
+    s2_dev = None if s2 is None else s2.to(DEVICE)
+    down = fm.grouped_gemm(act.to(DEVICE), w2.to(DEVICE), align, 1, s2_dev, fp8_block, role="down")
+    down_ref = fm.grouped_gemm_ref(act.float(), w2, align_cpu, 1, s2, fp8_block, role="down")
     torch.testing.assert_close(down.float().cpu(), down_ref, atol=atol * 4, rtol=rtol * 4)
 
 

@@ -278,36 +278,32 @@ def test_block_a8_prefill_row_tiles_match_ref(dtype):
     ref = fm.grouped_gemm_ref(x, w13, align_cpu, 2, s13, b13, "block_a8")
     torch.testing.assert_close(gate_up.cpu().float(), ref.float(), atol=atol, rtol=rtol)
     act = fm.silu_mul_ref(ref)
-    down = fm.grouped_gemm(act.to(DEVICE), w2.to(DEVICE), align, 1, s2.to(DEVICE), b2, "block_a8")
-    down_ref = fm.grouped_gemm_ref(act, w2, align_cpu, 1, s2, b2, "block_a8")
+    down = fm.grouped_gemm(
+        act.to(DEVICE), w2.to(DEVICE), align, 1, s2.to(DEVICE), b2, "block_a8", role="down"
+    )
+    down_ref = fm.grouped_gemm_ref(act, w2, align_cpu, 1, s2, b2, "block_a8", role="down")
     torch.testing.assert_close(down.cpu().float(), down_ref.float(), atol=atol, rtol=rtol)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_block_a8_at_a_prefill_step_on_gpu():
-    """2048 tokens of V2-Lite (12288 pairs: 128-row tiles, the long-prefill plan) in bf16."""
+@pytest.mark.parametrize("scheme", ["block", "block_a8"])
+@pytest.mark.parametrize("role", fm.GEMM_ROLES)
+def test_fp8_at_a_prefill_step_on_gpu(scheme, role):
+    """2048 tokens of V2-Lite (12288 pairs: 128-row tiles) in bf16, under each GEMM's
+    long-prefill plan (FP8 weights with bf16 or e4m3 activations)."""
     tokens, experts, top_k, hidden, inter = 2048, 64, 6, 2048, 1408
     ids, _ = routing(tokens, experts, top_k, "uniform", seed=2)
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
-    q, s, block = quantize_experts(
-        torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05, "block_a8", 128
-    )
-    block_m = fm.moe_block_m(ids.numel(), experts, "block_a8")
+    n, k, rows_per_a = (2 * inter, hidden, top_k) if role == "gate_up" else (hidden, inter, 1)
+    x = torch.randn(tokens * top_k // rows_per_a, k, generator=g).to(torch.bfloat16)
+    q, s, block = quantize_experts(torch.randn(experts, n, k, generator=g) * 0.05, scheme, 128)
+    block_m = fm.moe_block_m(ids.numel(), experts, scheme)
     assert block_m == 128
-    got = fm.grouped_gemm(
-        x.cuda(),
-        q.cuda(),
-        fm.moe_align(ids.cuda(), experts, block_m),
-        top_k,
-        s.cuda(),
-        block,
-        "block_a8",
-    )
-    ref = fm.grouped_gemm_ref(
-        x, q, fm.moe_align_ref(ids, experts, block_m), top_k, s, block, "block_a8"
-    )
+    align = fm.moe_align(ids.cuda(), experts, block_m)
+    got = fm.grouped_gemm(x.cuda(), q.cuda(), align, rows_per_a, s.cuda(), block, scheme, role=role)
+    align_cpu = fm.moe_align_ref(ids, experts, block_m)
+    ref = fm.grouped_gemm_ref(x, q, align_cpu, rows_per_a, s, block, scheme, role=role)
     torch.testing.assert_close(got.float().cpu(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
