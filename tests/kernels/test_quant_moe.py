@@ -62,9 +62,9 @@ def quant_method(scheme: str, group: int) -> QuantMethod:
 
 
 def quantize_experts(w: torch.Tensor, scheme: str, group: int):
-    """[E, N, K] float → (stored weight, scale, block) of `scheme` (block_a8: square
+    """[E, N, K] float → (stored weight, scale, block) of `scheme` (block, block_a8: square
     e4m3 blocks of `group`)."""
-    if scheme == "block_a8":
+    if scheme in fm.FP8_BLOCK_SCHEMES:
         q, scale = zip(*(block_quant_ref(we, (group, group)) for we in w), strict=True)
         return torch.stack(q), torch.stack(scale), (group, group)
     if scheme == "w8a8":
@@ -75,7 +75,7 @@ def quantize_experts(w: torch.Tensor, scheme: str, group: int):
 
 
 def dequantize_experts(q, scale, block, scheme: str, k: int) -> torch.Tensor:
-    if scheme == "block_a8":
+    if scheme in fm.FP8_BLOCK_SCHEMES:
         return block_dequant_ref(q, scale, block)
     if scheme == "w8a8":
         return iq.int8_channel_dequant_ref(q, scale)
