@@ -189,7 +189,8 @@ def test_store_killed_mid_upload_and_mid_fetch(
         # Mid-fetch: a slow reader of a many-chunk stream; the store dies under it.
         for _ in range(2):
             reader = SlowFetch(store.address, "n0@1").start()
-            assert reader.streaming.wait(30)
+            # The outcome tells a fetch that failed at once from one that never answered.
+            assert reader.streaming.wait(30), f"no chunk of n0@1 in 30 s: {reader.outcome}"
             store.stop(kill=True)
             tally.add("store faults injected: store SIGKILL mid-fetch")
             reader.thread.join(30)
