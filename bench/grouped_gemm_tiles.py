@@ -9,6 +9,13 @@ block-scaled (bf16 activations, and e4m3 activations per 128-group: fp8_a8), che
 plan's output against the current plan's, and reports TFLOP/s and the speed-up over the
 current plan. No model, no engine.
 
+`--lora` also times each prefill plan with the routed experts' LoRA in its epilogue
+(`grouped_gemm(lora=moe_lora_epilogue(...))`, LORA_ADAPTERS rank-16 adapters over runs of
+tokens, as serving's prompt steps have them): a prompt tile is one program an SM, so the
+epilogue's cost depends on the plan (per column tile), and a plan can win with LoRA
+where it does not without. Each row then adds `lora_ms`, `lora_overhead`, the LoRA
+output's difference from the current plan's and the LoRA's share of the output.
+
 `--decode` times decode batches instead (64, 128 and 256 tokens, the row tile the model
 picks for bf16 experts and half of it, which FP8 experts take at these sizes; column/K tile
 plans around 64 × 64) and adds each row's
@@ -16,6 +23,7 @@ achieved weight bandwidth: the distinct experts' weight bytes (and FP8 scales) o
 time, against the device's measured copy bandwidth — a decode GEMM's floor is that read.
 
     python3 -m bench.grouped_gemm_tiles --out bench/results/grouped_gemm_tiles.json
+    python3 -m bench.grouped_gemm_tiles --lora --out bench/results/grouped_gemm_tiles_lora.json
     python3 -m bench.grouped_gemm_tiles --decode --out bench/results/grouped_gemm_decode.json
     python -m bench.grouped_gemm_tiles --out /tmp/tiles.json --smoke   # CPU, interpreted
 """
@@ -38,11 +46,14 @@ from bench.gpu_timing import (
 )
 from kernels import fused_moe as fm
 from kernels.fp8 import block_quant_ref
+from kernels.moe_lora import MoeLoraEpilogue, moe_lora_epilogue
 
 FP8_BLOCK = (128, 128)
 # The benches' expert weights → grouped_gemm's scheme (None: by the scale). fp8_a8 quantizes
 # the activations too (e4m3 × e4m3 MMAs, DeepSeek-V3's own scheme).
 GEMM_SCHEMES = {"bf16": None, "fp8": "block", "fp8_a8": "block_a8"}
+# `--lora`: distinct adapters over a prompt step's tokens (serving's steps: 16 prompts).
+LORA_ADAPTERS = 16
 
 
 @dataclass(frozen=True)
@@ -108,8 +119,17 @@ def make_weights(experts: int, n: int, k: int, scheme: str, device: torch.device
     return weight, scale, FP8_BLOCK
 
 
-def run(shapes: ExpertShapes, tokens_list: list[int], schemes: list[str], plans_for, device, rep):
-    """plans_for(tokens): the [(row tile, tiles)] plans to time at that token count."""
+def run(
+    shapes: ExpertShapes,
+    tokens_list: list[int],
+    schemes: list[str],
+    plans_for,
+    device,
+    rep,
+    lora_adapters: int = 0,
+):
+    """plans_for(tokens): the [(row tile, tiles)] plans to time at that token count;
+    lora_adapters > 0: each plan also with that many adapters' LoRA in its epilogue."""
     rows = []
     for scheme in schemes:
         for name, n, k, rows_per_a in shapes.gemms():
@@ -117,8 +137,9 @@ def run(shapes: ExpertShapes, tokens_list: list[int], schemes: list[str], plans_
             for tokens in tokens_list:
                 case = {"scheme": scheme, "gemm": name, "tokens": tokens}
                 rows += time_plans(
-                    shapes, case, weight, scale, block, rows_per_a, plans_for(tokens), device, rep
-                )
+                    shapes, case, weight, scale, block, rows_per_a, plans_for(tokens), device,
+                    rep, lora_adapters,
+                )  # fmt: skip
     return rows
 
 
@@ -139,19 +160,49 @@ def weight_bytes_read(ids: torch.Tensor, weight: torch.Tensor, scale) -> int:  #
     return distinct * per_expert
 
 
+def lora_epilogue_of(
+    case: dict, lora: dict, a: torch.Tensor, align: fm.MoEAlignment
+) -> MoeLoraEpilogue:
+    """The MoE LoRA epilogue of `case`'s GEMM over `align` (its shrink runs here)."""
+    _, _, pair_token, pair_expert, segs = lora["routing"]
+    a_gu, b_gu, a_d, b_d = lora["weights"]
+    down = case["gemm"] == "down"
+    return moe_lora_epilogue(
+        a, a_d if down else a_gu, b_d if down else b_gu, pair_token, pair_expert, segs,
+        x_per_pair=down, pair_order=align.sorted_pair_ids,
+    )  # fmt: skip
+
+
 def time_plans(
-    shapes: ExpertShapes, case: dict, weight, scale, block, rows_per_a: int, plans, device, rep
+    shapes: ExpertShapes,
+    case: dict,
+    weight,
+    scale,
+    block,
+    rows_per_a: int,
+    plans,
+    device,
+    rep,
+    lora_adapters: int = 0,
 ):
     """One row per plan for one GEMM at one token count (random top-k routing)."""
     tokens, (_, n, k) = case["tokens"], weight.shape
     experts, top_k = shapes.experts, shapes.top_k
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    ids = torch.stack([torch.randperm(experts, device=device)[:top_k] for _ in range(tokens)])
+    lora = None
+    if lora_adapters:
+        # Imported here: bench.moe_lora_prefill imports this module.
+        from bench.moe_lora_prefill import make_lora
+
+        lora = make_lora(shapes, tokens, lora_adapters, device, dtype)
+        ids = lora["routing"][3].view(tokens, top_k).long()  # its pairs' experts
+    else:
+        ids = torch.stack([torch.randperm(experts, device=device)[:top_k] for _ in range(tokens)])
     a_rows = tokens if rows_per_a == top_k else tokens * top_k
     a = (torch.randn(a_rows, k, device=device) * 0.5).to(dtype)  # [rows, K]
     flops = 2 * tokens * top_k * n * k
     weight_bytes = weight_bytes_read(ids, weight, scale)
-    rows, baseline, baseline_ms = [], None, None
+    rows, baseline, baseline_ms, lora_baseline = [], None, None, None
     for block_m, tiles in plans:
         align = fm.moe_align(ids, experts, block_m)
         call = functools.partial(
@@ -174,18 +225,37 @@ def time_plans(
             "speedup_vs_current": baseline_ms / ms,
             "max_rel_diff_vs_current": error,
         }
+        if lora is not None:
+            with_lora = functools.partial(call, lora=lora_epilogue_of(case, lora, a, align))
+            lora_out = with_lora().float()
+            lora_baseline = lora_out if lora_baseline is None else lora_baseline
+            row["lora_adapters"] = lora_adapters
+            row["lora_ms"] = time_ms(with_lora, device, rep=rep)
+            row["lora_overhead"] = row["lora_ms"] / ms - 1
+            row["lora_max_rel_diff_vs_current"] = (
+                (lora_out - lora_baseline).abs().max() / lora_baseline.abs().max()
+            ).item()
+            # The LoRA's share of the output: zero would mean the epilogue added nothing.
+            row["lora_rel_delta"] = ((lora_out - out).abs().max() / out.abs().max()).item()
         rows.append(row)
         print(
             f"{case['scheme']:6s} {case['gemm']:8s} T{tokens:5d} {row['plan']:24s} "
             f"{ms:8.3f} ms {row['tflops']:6.0f} TFLOP/s {row['weight_gb_per_s']:6.0f} GB/s "
             f"×{row['speedup_vs_current']:.2f} "
             f"diff {error:.1e}"
+            + (f"  with LoRA {row['lora_ms']:8.3f} ms" if lora is not None else "")
         )
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    out, device, decode = kernel_bench_args(__doc__, argv, flags={"--decode": "decode batches"})
+    out, device, decode, with_lora = kernel_bench_args(
+        __doc__,
+        argv,
+        flags={"--decode": "decode batches", "--lora": "prefill plans with the LoRA epilogue too"},
+    )
+    if decode and with_lora:
+        raise SystemExit("--lora times prefill plans; decode steps take the LoRA after the GEMM")
     smoke = device.type == "cpu"
     started = time.perf_counter()
     schemes = ["bf16"] if smoke else list(GEMM_SCHEMES)
@@ -201,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
         def plans_for(tokens: int) -> list:
             return plans  # the same plans at every size
 
-    rows = run(shapes, tokens, schemes, plans_for, device, rep=50)
+    lora_adapters = (3 if smoke else LORA_ADAPTERS) if with_lora else 0
+    rows = run(shapes, tokens, schemes, plans_for, device, 50, lora_adapters)
     extra = {"copy_gb_per_s": copy_bandwidth(device) / 1e9} if decode else {}
     meta = run_meta("grouped_gemm_tiles", device, started, shapes=asdict(shapes), **extra)
     if decode:

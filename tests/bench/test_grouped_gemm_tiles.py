@@ -1,5 +1,6 @@
 """The grouped-GEMM tile bench on the CPU (interpreted, tiny expert shapes): every plan
-computes the same products as the current one and the JSON holds one row per plan."""
+computes the same products as the current one (with the LoRA epilogue too) and the JSON
+holds one row per plan."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ def test_every_plan_matches_the_current_plan(tmp_path: Path) -> None:
         assert row["max_rel_diff_vs_current"] <= 1e-5, row  # fp32 on the CPU
         assert row["ms"] > 0 and row["tflops"] > 0
     assert out.with_suffix(".png").exists()
+
+
+def test_lora_rows_time_every_plan_with_the_epilogue(tmp_path: Path) -> None:
+    out = tmp_path / "tiles_lora.json"
+    grouped_gemm_tiles.main(["--out", str(out), "--smoke", "--lora"])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 * 2
+    for row in rows:
+        assert row["lora_adapters"] == 3 and row["lora_ms"] > 0
+        assert row["lora_max_rel_diff_vs_current"] <= 1e-5, row  # fp32 on the CPU
+        assert row["lora_rel_delta"] > 1e-3, row  # the epilogue added the adapters' term
 
 
 def test_decode_plans_use_the_models_row_tile_and_report_bandwidth(tmp_path: Path) -> None:
