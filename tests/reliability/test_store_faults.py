@@ -186,11 +186,16 @@ def test_store_killed_mid_upload_and_mid_fetch(
                 lost_replies = ledger.verify(stub_of(channel), exact=False)
             tally.add("store faults survived: store SIGKILL mid-upload")
 
-        # Mid-fetch: a slow reader of a many-chunk stream; the store dies under it.
+        # Mid-fetch: a slow reader of a many-chunk stream; the store dies under it. It reads
+        # an acknowledged version: a version is allocated before its weights are written, so
+        # an upload killed in between leaves its number unused (n0@1 was NOT_FOUND in one
+        # fresh-clone CI run).
+        (name, version), _ = min(ledger.acknowledged.items())
+        ref = f"{name}@{version}"
         for _ in range(2):
-            reader = SlowFetch(store.address, "n0@1").start()
+            reader = SlowFetch(store.address, ref).start()
             # The outcome tells a fetch that failed at once from one that never answered.
-            assert reader.streaming.wait(30), f"no chunk of n0@1 in 30 s: {reader.outcome}"
+            assert reader.streaming.wait(30), f"no chunk of {ref} in 30 s: {reader.outcome}"
             store.stop(kill=True)
             tally.add("store faults injected: store SIGKILL mid-fetch")
             reader.thread.join(30)
