@@ -510,7 +510,7 @@ def grouped_gemm_ref(
     Returns: [P, N] in a's dtype, float32 accumulation.
     """
     scheme = weight_scheme(scheme, w_scale)
-    default_tiles(align.block_m, scheme, role)  # an unknown role fails here as in the kernel
+    check_role(role)
     k = a.shape[-1]
     a_float = a.float()
     if scheme == "w8a8":
@@ -768,10 +768,15 @@ DECODE_TILES: dict[str, dict[int, GemmTiles]] = {
 SCALE_TILES_MIN_ROWS = 128
 
 
-def default_tiles(block_m: int, scheme: str, role: str = "gate_up") -> GemmTiles:
-    """The plan of a `role` GEMM (GEMM_ROLES) over row tiles of block_m under `scheme`."""
+def check_role(role: str) -> None:
+    """Raise unless `role` names one of the MoE's grouped GEMMs (GEMM_ROLES)."""
     if role not in GEMM_ROLES:
         raise ValueError(f"unknown grouped GEMM role {role!r} (known: {GEMM_ROLES})")
+
+
+def default_tiles(block_m: int, scheme: str, role: str = "gate_up") -> GemmTiles:
+    """The plan of a `role` GEMM (GEMM_ROLES) over row tiles of block_m under `scheme`."""
+    check_role(role)
     if block_m >= 128:
         return PREFILL_TILES.get(scheme, {}).get(role, DEFAULT_TILES)
     return DECODE_TILES.get(scheme, {}).get(block_m, DEFAULT_TILES)
