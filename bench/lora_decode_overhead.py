@@ -62,6 +62,7 @@ from inference_svc.lora.attach import lora_targets
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.model.config import parse_config
 from inference_svc.models import deepseek_v3 as model_module
+from kernels import moe_lora as moe_lora_module
 from kernels.lora_segments import build_lora_segments
 from kernels.mla_lora import mla_kv_b_lora_o
 from kernels.moe_lora import moe_lora_down, moe_lora_gate_up
@@ -119,6 +120,9 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
     # GEMM epilogue: "pairs" at decode, "runs" at prefill), or always in its epilogue.
     "moe_after": {(apply, "MOE_LORA_IN_GEMM"): "never"},
     "moe_in_gemm": {(apply, "MOE_LORA_IN_GEMM"): "always"},
+    # The prompt-step MoE LoRA shrink with one K loop per (adapter, expert) key of a pair
+    # block (before the first keys shared one: kernels.moe_lora.SHRINK_KEYS_FROM_ROWS).
+    "moe_shrink_per_key": {(moe_lora_module, "SHRINK_KEYS_FROM_ROWS"): {}},
     # The linear modules' shrinks with fewer K splits (fewer float32 atomics).
     "shrink_p2": {(apply, "sgmv_shrink"): functools.partial(sgmv_shrink, variant="planned_p2")},
     "shrink_p1": {(apply, "sgmv_shrink"): functools.partial(sgmv_shrink, variant="planned_p1")},

@@ -113,6 +113,12 @@ class LoraSegments:
             tokens = self._pair_tokens[key] = pairs // top_k
         return tokens
 
+    def rows_per_key(self, num_pairs: int, num_experts: int) -> float:
+        """Mean routed rows per (adapter, expert) key a token sits in, for `num_pairs`
+        (token, expert) pairs of these tokens over `num_experts` experts: its adapter run ×
+        top_k / experts (host counts only)."""
+        return self.run_tokens * num_pairs / max(self.num_tokens, 1) / num_experts
+
     def capturing(self) -> bool:
         """Whether a CUDA graph is being captured: the host counts then describe the capture
         batch, not the batches its replays will see."""

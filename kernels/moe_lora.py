@@ -22,7 +22,9 @@ Two kernel variants (`variant=`, docs/kernel_notes.md §7):
   float32 [P, S·R] buffer, split-K in the shrink. Given the base MoE's expert-sorted pair
   order (`pair_order`), a block is a run of one expert's pairs, in token order, so it holds
   one or two keys; in plain pair order (token-major) it holds up to BLOCK_P keys and each
-  walks its own K loop (H100, 8192-token prefill of V2-Lite: 7.2 ms per MoE layer).
+  walks its own K loop (H100, 8192-token prefill of V2-Lite: 7.2 ms per MoE layer). Where
+  a prompt step's blocks hold a few keys each, the shrink takes the first few in one K loop
+  (`shrink_keys`).
 Shapes: P pairs, E experts, S slices, R pool rank, K input features, N output per slice.
 """
 
@@ -49,6 +51,7 @@ from kernels.sgmv import (
     num_sms,
     plan_split_k,
     rank_block,
+    shrink_loop,
     shrink_rank_tile,
     shrink_rows,
 )
@@ -59,6 +62,20 @@ BLOCK_P = 16
 EPILOGUE_BLOCK_P = 64
 # Its K loop's pipeline depth (Triton's default: 3).
 EPILOGUE_SHRINK_STAGES = 4
+# Where a block holds several keys, its first few share one K loop
+# (`_moe_lora_shrink_keys_kernel`): by the shrink's stacked slices, (mean rows per (adapter,
+# expert) key from which, keys). A 64-pair block of keys of r rows holds about 1 + 63 / r of
+# them. H100, V2-Lite experts, rank 16, the shrink alone (do_bench, L2 flushed, two rounds
+# alternating; docs/benchmarks.md, thirtieth session), µs, a loop per key → joint: gate_up
+# (2 slices) at 8192 tokens of 32 adapters (24 rows a key, 4 keys) 205 → 160, of 16 (48
+# rows, 2 keys) 151 → 112, of 4 (192 rows) 82 → 65, of 1 (768 rows) 66 → 62-65; down (1
+# slice) 122 → 108 at 24 rows, level at 48, 72-77 → 77-80 from 192 rows: a loop per key
+# there. Below 16 rows a key (4096 × 32: 12; 2048 × 32: 6) 4 keys cover too few of a
+# block's keys: level or slower in the one-off sweep.
+SHRINK_KEYS_FROM_ROWS = {2: ((16.0, 4), (32.0, 2)), 1: ((16.0, 4), (32.0, 1))}
+# The joint loop's K tile and pipeline depth (a [64, 4 · 32] A tile per stage).
+SHRINK_KEYS_BLOCK_K = 64
+SHRINK_KEYS_STAGES = 3
 # "pairs" re-reads a key's weights once per pair (from L2 when pairs share it): right for
 # decode, where nearly every pair has its own key; "auto" uses "runs" beyond this.
 PAIRS_MAX_PAIRS = 4096
@@ -107,6 +124,34 @@ def _next_key(key, last):
     return tl.min(tl.where(key > last, key, NO_KEY))
 
 
+@triton.jit
+def _shrink_key(
+    x_ptr, a_ptr, y_ptr, x_row, offs_p, sel, key, slot_rank_ptr, rows, rank_index, r_start,
+    k_lo, k_len, K, A_EXPERTS, stride_xm, stride_xk, stride_as, stride_ae, stride_ar,
+    stride_ak, stride_yp, stride_yr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """y[rows `sel` of the block, `rows`] (+)= x[their rows, k_lo:k_lo+k_len] · A[key]ᵀ."""
+    slot = key // A_EXPERTS
+    rank = tl.load(slot_rank_ptr + slot)
+    mask_r = rank_index < rank
+    if r_start < rank:
+        a_rows = (
+            a_ptr + slot.to(tl.int64) * stride_as + (key % A_EXPERTS) * stride_ae
+            + rows * stride_ar
+        )  # fmt: skip
+        acc = shrink_loop(  # [p, r]
+            x_ptr, x_row, sel, a_rows, mask_r, k_lo, k_len, K, stride_xm, stride_xk, stride_ak,
+            BLOCK_P, BLOCK_R, BLOCK_K, DOT_PRECISION,
+        )  # fmt: skip
+        y_ptrs = y_ptr + offs_p[:, None] * stride_yp + rows[None, :] * stride_yr
+        y_mask = sel[:, None] & mask_r[None, :]
+        if ATOMIC:
+            tl.atomic_add(y_ptrs, acc, mask=y_mask)
+        else:
+            tl.store(y_ptrs, acc, mask=y_mask)
+
+
 # Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
 @triton.jit(do_not_specialize=["P", "order_len"])
 def _moe_lora_shrink_kernel(
@@ -145,45 +190,99 @@ def _moe_lora_shrink_kernel(
     of one block, key by key (ascending); STACKED as in `shrink_rows`."""
     grid_dependency_control()
     pid_sr = tl.program_id(1)  # slice * rank_blocks + rank_block (0 when STACKED)
-    k_lo = tl.program_id(2) * k_per_split
     offs_p = _block_pairs(tl.program_id(0), order_ptr, order_len, P, ORDERED, BLOCK_P)
     tok, key = _pair_keys(offs_p, P, pair_token_ptr, pair_expert_ptr, token_slot_ptr, A_EXPERTS)
     x_row = offs_p if X_PER_PAIR else tok
     rows, rank_index, r_start = shrink_rows(pid_sr, R, BLOCK_R, STACKED)
     run_key = _next_key(key, -1)
     while run_key < NO_KEY:
-        sel = key == run_key
-        slot = run_key // A_EXPERTS
-        rank = tl.load(slot_rank_ptr + slot)
-        mask_r = rank_index < rank
-        if r_start < rank:
-            a_rows = (
-                a_ptr
-                + slot.to(tl.int64) * stride_as
-                + (run_key % A_EXPERTS) * stride_ae
-                + rows * stride_ar
-            )
-            acc = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)  # [p, r]
-            for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
-                offs_k = k + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < K
-                x = tl.load(
-                    x_ptr + x_row[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=sel[:, None] & mask_k[None, :],
-                    other=0.0,
-                )  # [p, k]
-                a = tl.load(
-                    a_rows[None, :] + offs_k[:, None] * stride_ak,
-                    mask=mask_r[None, :] & mask_k[:, None],
-                    other=0.0,
-                )  # [k, r]
-                acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
-            y_ptrs = y_ptr + offs_p[:, None] * stride_yp + rows[None, :] * stride_yr
-            y_mask = sel[:, None] & mask_r[None, :]
-            if ATOMIC:
-                tl.atomic_add(y_ptrs, acc, mask=y_mask)
-            else:
-                tl.store(y_ptrs, acc, mask=y_mask)
+        _shrink_key(
+            x_ptr, a_ptr, y_ptr, x_row, offs_p, key == run_key, run_key, slot_rank_ptr, rows,
+            rank_index, r_start, tl.program_id(2) * k_per_split, k_per_split, K, A_EXPERTS,
+            stride_xm, stride_xk, stride_as, stride_ae, stride_ar, stride_ak, stride_yp,
+            stride_yr, BLOCK_P, BLOCK_R, BLOCK_K, ATOMIC, DOT_PRECISION,
+        )  # fmt: skip
+        run_key = _next_key(key, run_key)
+
+
+# Per-step counts unspecialised: no compile per count class mid-serving (ARCHITECTURE.md).
+@triton.jit(do_not_specialize=["P", "order_len"])
+def _moe_lora_shrink_keys_kernel(
+    x_ptr,
+    a_ptr,
+    y_ptr,
+    pair_token_ptr,
+    pair_expert_ptr,
+    token_slot_ptr,
+    slot_rank_ptr,
+    P,
+    order_ptr,
+    order_len,
+    K,
+    R,
+    A_EXPERTS,
+    stride_xm,
+    stride_xk,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_ak,
+    stride_yp,
+    stride_yr,
+    X_PER_PAIR: tl.constexpr,
+    ORDERED: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SLICES: tl.constexpr,
+    KEYS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_moe_lora_shrink_kernel` for one rank tile (the S·R rows of every slice) and no K
+    split, with the block's first KEYS keys in one K loop: their A rows side by side along
+    N, one [BLOCK_K, KEYS·BLOCK_R] load and one MMA an iteration, each pair's own key's
+    columns picked after the loop. Keys past those (rare where KEYS fits the block) walk a
+    loop each, as in `_moe_lora_shrink_kernel`."""
+    grid_dependency_control()
+    offs_p = _block_pairs(tl.program_id(0), order_ptr, order_len, P, ORDERED, BLOCK_P)
+    tok, key = _pair_keys(offs_p, P, pair_token_ptr, pair_expert_ptr, token_slot_ptr, A_EXPERTS)
+    x_row = offs_p if X_PER_PAIR else tok
+    cols = tl.arange(0, KEYS * BLOCK_R)  # key group · BLOCK_R + A row of that key
+    group, a_row = cols // BLOCK_R, cols % BLOCK_R
+    rank_index = tl.where(a_row < SLICES * R, a_row % R, R)
+    col_key = tl.full((KEYS * BLOCK_R,), NO_KEY, tl.int32)
+    last = -1
+    for i in tl.static_range(KEYS):
+        last = _next_key(key, last)
+        col_key = tl.where(group == i, last, col_key)
+    live = col_key < NO_KEY
+    col_slot = tl.where(live, col_key // A_EXPERTS, 0)
+    mask_col = live & (rank_index < tl.load(slot_rank_ptr + col_slot, mask=live, other=0))
+    a_cols = (
+        a_ptr + col_slot.to(tl.int64) * stride_as
+        + (col_key % A_EXPERTS).to(tl.int64) * stride_ae + a_row * stride_ar
+    )  # fmt: skip
+    joint = (key >= 0) & (key <= last)  # the pairs of the first KEYS keys
+    acc = shrink_loop(  # [p, key group · r]
+        x_ptr, x_row, joint, a_cols, mask_col, 0, K, K, stride_xm, stride_xk, stride_ak,
+        BLOCK_P, KEYS * BLOCK_R, BLOCK_K, DOT_PRECISION,
+    )  # fmt: skip
+    own = tl.where(col_key[None, :] == key[:, None], acc, 0.0)
+    y = tl.sum(tl.reshape(own, (BLOCK_P, KEYS, BLOCK_R)), axis=1)  # [p, r]
+    rows = tl.arange(0, BLOCK_R)
+    tl.store(
+        y_ptr + offs_p[:, None] * stride_yp + rows[None, :] * stride_yr,
+        y,
+        mask=joint[:, None] & (rows < SLICES * R)[None, :],
+    )
+    run_key = _next_key(key, last)
+    while run_key < NO_KEY:
+        _shrink_key(
+            x_ptr, a_ptr, y_ptr, x_row, offs_p, key == run_key, run_key, slot_rank_ptr, rows,
+            tl.where(rows < SLICES * R, rows % R, R), 0, 0, K, K, A_EXPERTS, stride_xm,
+            stride_xk, stride_as, stride_ae, stride_ar, stride_ak, stride_yp, stride_yr,
+            BLOCK_P, BLOCK_R, BLOCK_K, False, DOT_PRECISION,
+        )  # fmt: skip
         run_key = _next_key(key, run_key)
 
 
@@ -591,7 +690,10 @@ def moe_lora_epilogue(
     """
     num_slices = _check_shrink(x, A, B, pair_token, pair_expert, x_per_pair)
     walk = _PairWalk.of(pair_token, pair_expert, segs, pair_order, EPILOGUE_BLOCK_P)
-    y = _shrink_runs(x, A, walk, x_per_pair, num_slices, B.shape[3], EPILOGUE_SHRINK_STAGES)
+    # The routing's expert count (a shared-outer side has an expert dim of 1).
+    rows = segs.rows_per_key(pair_token.shape[0], max(A.shape[1], B.shape[1]))
+    keys = shrink_keys(rows, num_slices)
+    y = _shrink_runs(x, A, walk, x_per_pair, num_slices, B.shape[3], EPILOGUE_SHRINK_STAGES, keys)
     return MoeLoraEpilogue(y, B, pair_token, segs.token_slot, segs.slot_rank)
 
 
@@ -774,6 +876,17 @@ class _PairWalk:
         return _PairWalk(meta, pair_order is not None, blocks, block_p)
 
 
+def shrink_keys(rows_per_key: float, slices: int) -> int:
+    """Keys of a pair block whose shrink shares one K loop (SHRINK_KEYS_FROM_ROWS), 1 for
+    a loop per key, from the step's mean rows per (adapter, expert) key and the shrink's
+    stacked slices (2: gate_up, 1: down)."""
+    keys = 1
+    for min_rows, joint in SHRINK_KEYS_FROM_ROWS.get(slices, ()):
+        if rows_per_key >= min_rows:
+            keys = joint
+    return keys
+
+
 def _shrink_runs(
     x: Tensor,
     A: Tensor,
@@ -782,9 +895,11 @@ def _shrink_runs(
     num_slices: int,
     pool_rank: int,
     num_stages: int = 3,
+    keys: int = 1,
 ) -> Tensor:
     """y [P, S·R] float32 = per-pair shrink of every slice (zeros past each slot's rank);
-    num_stages: the K loop's pipeline depth."""
+    num_stages: the K loop's pipeline depth; keys: a block's keys that share one K loop
+    (`shrink_keys`) where the shrink is one rank tile without a K split."""
     num_pairs = walk.meta[4]
     y = torch.zeros(num_pairs, num_slices * pool_rank, dtype=torch.float32, device=x.device)
     if num_pairs == 0:
@@ -793,6 +908,14 @@ def _shrink_runs(
     block_r, stacked = shrink_rank_tile(num_slices, pool_rank)
     rank_programs = 1 if stacked else num_slices * cdiv(pool_rank, block_r)
     block_k, k_per_split, split_k = plan_split_k(k_dim, walk.blocks * rank_programs)
+    if keys > 1 and rank_programs == 1 and split_k == 1:
+        fast(_moe_lora_shrink_keys_kernel)[(walk.blocks,)](
+            x, A, y, *walk.meta, k_dim, pool_rank, A.shape[1], *x.stride(), *A.stride(),
+            *y.stride(), X_PER_PAIR=x_per_pair, ORDERED=walk.ordered, BLOCK_P=walk.block_p,
+            BLOCK_R=block_r, BLOCK_K=SHRINK_KEYS_BLOCK_K, SLICES=num_slices, KEYS=keys,
+            DOT_PRECISION=dot_precision(x.dtype), num_stages=SHRINK_KEYS_STAGES,
+        )  # fmt: skip
+        return y
     fast(_moe_lora_shrink_kernel)[(walk.blocks, rank_programs, split_k)](
         x,
         A,

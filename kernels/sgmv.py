@@ -57,6 +57,33 @@ def shrink_rows(pid_sr, R, BLOCK_R: tl.constexpr, STACKED: tl.constexpr):
 
 
 @triton.jit
+def shrink_loop(
+    x_ptr, x_rows, row_mask, a_cols, mask_c, k_lo, k_len, K, stride_xm, stride_xk, stride_ak,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """float32 [BLOCK_M, BLOCK_C]: x[x_rows, k_lo:k_lo+k_len] · A over the K loop, A's
+    column c at pointers a_cols[c] (+ k · stride_ak); rows outside `row_mask` and columns
+    outside `mask_c` read nothing (zeros)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)  # [m, c]
+    for k in range(k_lo, k_lo + k_len, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(
+            x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            mask=row_mask[:, None] & mask_k[None, :],
+            other=0.0,
+        )  # [m, k]
+        a = tl.load(
+            a_cols[None, :] + offs_k[:, None] * stride_ak,
+            mask=mask_c[None, :] & mask_k[:, None],
+            other=0.0,
+        )  # [k, c]
+        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _shrink_item(
     x_ptr,
     a_ptr,
@@ -94,21 +121,10 @@ def _shrink_item(
         offs_t = t_start + tl.arange(0, BLOCK_T)
         mask_t = offs_t < t_end
         a_rows = a_ptr + slot.to(tl.int64) * stride_as + rows * stride_ar
-        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)  # [t, r]
-        for k in range(k_lo, k_lo + k_len, BLOCK_K):
-            offs_k = k + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            x = tl.load(
-                x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
-                mask=mask_t[:, None] & mask_k[None, :],
-                other=0.0,
-            )  # [t, k]
-            a = tl.load(
-                a_rows[None, :] + offs_k[:, None] * stride_ak,
-                mask=mask_r[None, :] & mask_k[:, None],
-                other=0.0,
-            )  # [k, r]
-            acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+        acc = shrink_loop(
+            x_ptr, offs_t, mask_t, a_rows, mask_r, k_lo, k_len, K, stride_xt, stride_xk,
+            stride_ak, BLOCK_T, BLOCK_R, BLOCK_K, DOT_PRECISION,
+        )  # fmt: skip
         y_ptrs = y_ptr + offs_t[:, None] * stride_yt + rows[None, :] * stride_yr
         y_mask = mask_t[:, None] & mask_r[None, :]
         if atomic:

@@ -276,7 +276,7 @@ def moe_lora_in_gemm(segs: LoraSegments, top_k: int, num_experts: int, quantized
         return MOE_LORA_IN_GEMM == "always"
     if segs.num_tokens * top_k <= PAIRS_MAX_PAIRS:
         return False
-    rows_per_key = segs.run_tokens * top_k / num_experts
+    rows_per_key = segs.rows_per_key(segs.num_tokens * top_k, num_experts)
     return rows_per_key >= MOE_LORA_IN_GEMM_MIN_ROWS["quantized" if quantized else "float"]
 
 

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from kernels import fused_moe as fm
+from kernels import moe_lora
 from kernels.lora_segments import build_lora_segments
 from kernels.moe_lora import (
     moe_lora_down_ref,
     moe_lora_epilogue,
     moe_lora_epilogue_ref,
     moe_lora_gate_up_ref,
+    shrink_keys,
 )
 from tests.fixtures.triton_interpret import kernel_device
 from tests.kernels.lora_cases import POPULARITIES, assert_close, mixed_ranks, popular_slots
@@ -40,6 +42,22 @@ def _zero_dead_ranks(A, B, ranks, pool_rank, slices):  # type: ignore[no-untyped
     return A, B
 
 
+def _lora_pools(ranks, experts, outer, pool_rank, hidden, inter, slices, gen):  # type: ignore[no-untyped-def]
+    """float32 (A_gu, B_gu, A_d, B_d) pools with dead ranks zero; `outer` experts on the
+    shared-outer sides (gate_up's A, down's B): 1 for a shared-outer adapter."""
+    a_gu, b_gu = _zero_dead_ranks(
+        _pool(ranks, outer, slices * pool_rank, hidden, torch.float32, gen),
+        _pool(ranks, experts, slices * inter, pool_rank, torch.float32, gen),
+        ranks, pool_rank, slices,
+    )  # fmt: skip
+    a_d, b_d = _zero_dead_ranks(
+        _pool(ranks, experts, pool_rank, inter, torch.float32, gen),
+        _pool(ranks, outer, hidden, pool_rank, torch.float32, gen),
+        ranks, pool_rank, 1,
+    )  # fmt: skip
+    return a_gu, b_gu, a_d, b_d
+
+
 def _case(popularity, dtype, seed, *, pool_rank=16, gated=True, shared_outer=False):  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(seed)
     ranks = mixed_ranks(SLOTS, pool_rank, gen)
@@ -51,15 +69,8 @@ def _case(popularity, dtype, seed, *, pool_rank=16, gated=True, shared_outer=Fal
     ids, _ = routing(TOKENS, EXPERTS, TOP_K, "uniform", seed=seed)
     slices = 2 if gated else 1
     outer = 1 if shared_outer else EXPERTS
-    a_gu, b_gu = _zero_dead_ranks(
-        _pool(ranks, outer, slices * pool_rank, HIDDEN, torch.float32, gen),
-        _pool(ranks, EXPERTS, slices * INTER, pool_rank, torch.float32, gen),
-        ranks, pool_rank, slices,
-    )  # fmt: skip
-    a_d, b_d = _zero_dead_ranks(
-        _pool(ranks, EXPERTS, pool_rank, INTER, torch.float32, gen),
-        _pool(ranks, outer, HIDDEN, pool_rank, torch.float32, gen),
-        ranks, pool_rank, 1,
+    a_gu, b_gu, a_d, b_d = _lora_pools(
+        ranks, EXPERTS, outer, pool_rank, HIDDEN, INTER, slices, gen
     )  # fmt: skip
     x = torch.randn(TOKENS, HIDDEN, generator=gen)
     weights = {"A_gu": a_gu, "B_gu": b_gu, "A_d": a_d, "B_d": b_d, "x": x}
@@ -206,6 +217,67 @@ def test_epilogue_that_does_not_fit_the_gemm_is_refused() -> None:
         )
 
 
+class _NotLaunched:
+    """Stands in for the per-key shrink kernel where a test must not reach it."""
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        raise AssertionError("the per-key shrink kernel ran instead of the joint-key one")
+
+
+def _joint_always(keys: int) -> dict[int, tuple[tuple[float, int], ...]]:
+    """SHRINK_KEYS_FROM_ROWS that takes `keys` keys in one loop at every step."""
+    return {1: ((0.0, keys),), 2: ((0.0, keys),)}
+
+
+def _joint_shrink_cases(a_gu, b_gu, a_d, b_d, x, act):  # type: ignore[no-untyped-def]
+    """gate_up (x per token, stacked slices) and down (act per pair) shrink arguments."""
+    return ((x, a_gu, b_gu, False), (act, a_d, b_d, True))
+
+
+@pytest.mark.parametrize("keys", [2, 4])
+@pytest.mark.parametrize("popularity", POPULARITIES)
+def test_joint_key_shrink_equals_the_reference(keys, popularity, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The shrink with a block's first `keys` keys in one K loop (forced for every step;
+    the per-key kernel cannot stand in) gives the reference's y, ordered walk and plain pair
+    order, blocks with more keys than `keys` (they span experts here), ranks below the pool
+    rank and a rank-0 slot beside them, base-model tokens."""
+    monkeypatch.setattr(moe_lora, "SHRINK_KEYS_FROM_ROWS", _joint_always(keys))
+    monkeypatch.setattr(moe_lora, "_moe_lora_shrink_kernel", _NotLaunched())
+    (segs, dev_segs), ids, _, t = _case(popularity, torch.float32, seed=11)
+    pair_token = (torch.arange(ids.numel()) // TOP_K).int()
+    pair_expert = ids.flatten().int()
+    act = torch.randn(ids.numel(), INTER, generator=torch.Generator().manual_seed(12))
+    order = fm.moe_align_ref(ids, EXPERTS, 16).sorted_pair_ids
+    cases = _joint_shrink_cases(t["A_gu"], t["B_gu"], t["A_d"], t["B_d"], t["x"], act)
+    for a, lora_a, lora_b, per_pair in cases:
+        want = moe_lora_epilogue_ref(
+            a, lora_a, lora_b, pair_token, pair_expert, segs, x_per_pair=per_pair
+        ).y
+        for pair_order in (order.to(DEVICE), None):
+            got = moe_lora_epilogue(
+                *_to(DEVICE, a, lora_a, lora_b, pair_token, pair_expert), dev_segs,
+                x_per_pair=per_pair, pair_order=pair_order,
+            ).y  # fmt: skip
+            torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+        tokens = segs.token_slot[segs.token_slot >= 0].long()
+        if bool((segs.slot_rank[tokens] > 0).any()):  # not all-base, not the rank-0 slot alone
+            assert want.abs().max() > 0.1
+
+
+def test_joint_keys_follow_the_rows_per_key() -> None:
+    """A step's rows per (adapter, expert) key pick how many keys share a K loop: 16
+    prompts of 512 tokens over 64 experts, top-6, are 48 rows a key (2 keys for gate_up's
+    two stacked slices, a loop per key for down); 32 runs of 256 tokens 24 (4 keys); 6 rows
+    a key walk a loop per key."""
+    prompts = build_lora_segments([i // 512 for i in range(16 * 512)], [16] * 16)
+    assert prompts.rows_per_key(16 * 512 * 6, 64) == pytest.approx(48.0)
+    assert shrink_keys(prompts.rows_per_key(16 * 512 * 6, 64), slices=2) == 2
+    assert shrink_keys(48.0, slices=1) == 1  # down: level at 48 rows, slower from 192
+    assert shrink_keys(24.0, slices=2) == shrink_keys(24.0, slices=1) == 4
+    assert shrink_keys(6.0, slices=2) == shrink_keys(6.0, slices=1) == 1
+    assert shrink_keys(768.0, slices=2) == 2
+
+
 # ---- GPU (bf16, compiled, V2-Lite expert shapes, prefill tiles) ----------------------------
 
 
@@ -248,3 +320,37 @@ def test_epilogue_bf16_gpu(popularity, fp8) -> None:  # type: ignore[no-untyped-
     assert_close(got.float(), want, torch.bfloat16)
     if popularity != "all_base":
         assert not torch.equal(got, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keys", [1, 2, 4])
+@pytest.mark.parametrize("adapters", [8, 32])
+def test_joint_key_shrink_bf16_gpu(keys, adapters, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The compiled shrink with `keys` keys in one K loop at a prompt step's shapes (4096
+    V2-Lite tokens, 96 or 24 rows a key: blocks of 1-3 keys, or up to ~6 and the rest in
+    loops of their own) against the float32 reference of the same bf16 values."""
+    monkeypatch.setattr(moe_lora, "SHRINK_KEYS_FROM_ROWS", _joint_always(keys))
+    gen = torch.Generator().manual_seed(9)
+    tokens, hidden, inter, experts, top_k, pool_rank = 4096, 2048, 1408, 64, 6, 16
+    ranks = mixed_ranks(adapters, pool_rank, gen)
+    segs = build_lora_segments(
+        [t * adapters // tokens for t in range(tokens)], ranks, device="cuda"
+    )
+    ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices.cuda()
+    pair_token = (torch.arange(ids.numel(), device="cuda") // top_k).int()
+    pair_expert = ids.flatten().int()
+    order = fm.moe_align(ids, experts, fm.moe_block_m(ids.numel(), experts)).sorted_pair_ids
+    pools = _lora_pools(ranks, experts, experts, pool_rank, hidden, inter, 2, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    act = torch.randn(ids.numel(), inter, generator=gen)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    cases = _joint_shrink_cases(*(w.to(**bf16) for w in (*pools, x, act)))
+    for a, lora_a, lora_b, per_pair in cases:
+        routed = (pair_token, pair_expert, segs)
+        f32 = (a.float(), lora_a.float(), lora_b.float())  # the reference in float32
+        want = moe_lora_epilogue_ref(*f32, *routed, x_per_pair=per_pair).y
+        got = moe_lora_epilogue(
+            a, lora_a, lora_b, *routed, x_per_pair=per_pair, pair_order=order
+        ).y  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert want.abs().max() > 0.1
