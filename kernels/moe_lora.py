@@ -263,18 +263,19 @@ def _moe_lora_shrink_keys_kernel(
         + (col_key % A_EXPERTS).to(tl.int64) * stride_ae + a_row * stride_ar
     )  # fmt: skip
     joint = (key >= 0) & (key <= last)  # the pairs of the first KEYS keys
-    acc = shrink_loop(  # [p, key group · r]
-        x_ptr, x_row, joint, a_cols, mask_col, 0, K, K, stride_xm, stride_xk, stride_ak,
-        BLOCK_P, KEYS * BLOCK_R, BLOCK_K, DOT_PRECISION,
-    )  # fmt: skip
-    own = tl.where(col_key[None, :] == key[:, None], acc, 0.0)
-    y = tl.sum(tl.reshape(own, (BLOCK_P, KEYS, BLOCK_R)), axis=1)  # [p, r]
     rows = tl.arange(0, BLOCK_R)
-    tl.store(
-        y_ptr + offs_p[:, None] * stride_yp + rows[None, :] * stride_yr,
-        y,
-        mask=joint[:, None] & (rows < SLICES * R)[None, :],
-    )
+    if tl.max(key) >= 0:  # padding blocks and blocks of base-model tokens skip the loop
+        acc = shrink_loop(  # [p, key group · r]
+            x_ptr, x_row, joint, a_cols, mask_col, 0, K, K, stride_xm, stride_xk, stride_ak,
+            BLOCK_P, KEYS * BLOCK_R, BLOCK_K, DOT_PRECISION,
+        )  # fmt: skip
+        own = tl.where(col_key[None, :] == key[:, None], acc, 0.0)
+        y = tl.sum(tl.reshape(own, (BLOCK_P, KEYS, BLOCK_R)), axis=1)  # [p, r]
+        tl.store(
+            y_ptr + offs_p[:, None] * stride_yp + rows[None, :] * stride_yr,
+            y,
+            mask=joint[:, None] & (rows < SLICES * R)[None, :],
+        )
     run_key = _next_key(key, last)
     while run_key < NO_KEY:
         _shrink_key(
