@@ -6,8 +6,9 @@ cores' rate, with the decode-sized tiles (64 × 64 × 64, 4 warps). This times c
 plans (row tile × `GemmTiles`) on the two expert GEMMs of V2-Lite (gate_up: N 2816, K 2048;
 down: N 2048, K 1408; 64 experts, top-6 routing) at 8192 and 512 tokens, bf16 and FP8
 block-scaled (bf16 activations, and e4m3 activations per 128-group: fp8_a8), checks every
-plan's output against the current plan's, and reports TFLOP/s and the speed-up over the
-current plan. No model, no engine.
+plan's output against the model's own plan's (`moe_block_m` and `default_tiles`, timed
+first and marked `model_plan`; the "current" of the row fields), and reports TFLOP/s and
+the speed-up over that plan. No model, no engine.
 
 `--lora` also times each prefill plan with the routed experts' LoRA in its epilogue
 (`grouped_gemm(lora=moe_lora_epilogue(...))`, LORA_ADAPTERS rank-16 adapters over runs of
@@ -202,6 +203,11 @@ def time_plans(
     a = (torch.randn(a_rows, k, device=device) * 0.5).to(dtype)  # [rows, K]
     flops = 2 * tokens * top_k * n * k
     weight_bytes = weight_bytes_read(ids, weight, scale)
+    scheme = fm.weight_scheme(GEMM_SCHEMES[case["scheme"]], scale)
+    model_m = fm.moe_block_m(tokens * top_k, experts, scheme)
+    model_plan = (model_m, fm.default_tiles(model_m, scheme, case["gemm"]))
+    # The model's own plan first: every other plan is checked and timed against it.
+    plans = [model_plan, *(plan for plan in plans if plan != model_plan)]
     rows, baseline, baseline_ms, lora_baseline = [], None, None, None
     for block_m, tiles in plans:
         align = fm.moe_align(ids, experts, block_m)
@@ -217,6 +223,7 @@ def time_plans(
         row = {
             **case,
             "plan": plan_label(block_m, tiles),
+            "model_plan": (block_m, tiles) == model_plan,
             "block_m": block_m,
             **asdict(tiles),
             "ms": ms,
