@@ -194,11 +194,12 @@ def _moe_lora_shrink_kernel(
     tok, key = _pair_keys(offs_p, P, pair_token_ptr, pair_expert_ptr, token_slot_ptr, A_EXPERTS)
     x_row = offs_p if X_PER_PAIR else tok
     rows, rank_index, r_start = shrink_rows(pid_sr, R, BLOCK_R, STACKED)
+    k_lo = tl.program_id(2) * k_per_split
     run_key = _next_key(key, -1)
     while run_key < NO_KEY:
         _shrink_key(
             x_ptr, a_ptr, y_ptr, x_row, offs_p, key == run_key, run_key, slot_rank_ptr, rows,
-            rank_index, r_start, tl.program_id(2) * k_per_split, k_per_split, K, A_EXPERTS,
+            rank_index, r_start, k_lo, k_per_split, K, A_EXPERTS,
             stride_xm, stride_xk, stride_as, stride_ae, stride_ar, stride_ak, stride_yp,
             stride_yr, BLOCK_P, BLOCK_R, BLOCK_K, ATOMIC, DOT_PRECISION,
         )  # fmt: skip
@@ -276,13 +277,15 @@ def _moe_lora_shrink_keys_kernel(
             y,
             mask=joint[:, None] & (rows < SLICES * R)[None, :],
         )
+    # The keys past the joint ones: the rank index of each of `rows` (one tile of every slice).
+    _, row_rank, _ = shrink_rows(0, R, BLOCK_R, SLICES)
     run_key = _next_key(key, last)
     while run_key < NO_KEY:
         _shrink_key(
             x_ptr, a_ptr, y_ptr, x_row, offs_p, key == run_key, run_key, slot_rank_ptr, rows,
-            tl.where(rows < SLICES * R, rows % R, R), 0, 0, K, K, A_EXPERTS, stride_xm,
-            stride_xk, stride_as, stride_ae, stride_ar, stride_ak, stride_yp, stride_yr,
-            BLOCK_P, BLOCK_R, BLOCK_K, False, DOT_PRECISION,
+            row_rank, 0, 0, K, K, A_EXPERTS, stride_xm, stride_xk, stride_as, stride_ae,
+            stride_ar, stride_ak, stride_yp, stride_yr, BLOCK_P, BLOCK_R, BLOCK_K, False,
+            DOT_PRECISION,
         )  # fmt: skip
         run_key = _next_key(key, run_key)
 
