@@ -130,13 +130,20 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
     # product on the side stream, then the expand; kv_b's corrections as their own launches)
     # instead of kernels.gemv with the LoRA in its launches.
     "one_token_cublas": {(apply, "ONE_TOKEN_LORA_IN_GEMV"): False},
-    # kv_b's output correction (after W_UV's product) with whole weight tiles read at once,
-    # before its PDL wait ("prefetch"), or one program per (segment, head) item ("v1"),
-    # instead of "planned" (16 programs an SM walking the items, weights in 128-row chunks).
+    # kv_b's output correction as its own launch after W_UV's product (not in the merge)
+    # with whole weight tiles read at once, before its PDL wait ("prefetch"), or one program
+    # per (segment, head) item ("v1"), instead of "planned" (16 programs an SM walking the
+    # items, weights in 128-row chunks).
     **{
-        f"kv_b_o_{v}": {(apply, "mla_kv_b_lora_o"): functools.partial(mla_kv_b_lora_o, variant=v)}
+        f"kv_b_o_{v}": {
+            (apply, "mla_kv_b_lora_o"): functools.partial(mla_kv_b_lora_o, variant=v),
+            (apply, "KV_B_O_IN_MERGE"): False,
+        }
         for v in ("prefetch", "v1")
     },
+    # kv_b's output correction as its own launch after W_UV's product in decode steps whose
+    # attention runs the split merge (before the merge wrote it: apply.KV_B_O_IN_MERGE).
+    "kv_b_o_separate": {(apply, "KV_B_O_IN_MERGE"): False},
     # q_b's expand and kv_b's query correction as two launches in decode steps (before one
     # launch did both: kernels.mla_q_lora).
     "q_b_kv_b_q_separate": {(apply, "Q_B_EXPAND_WITH_KV_B_Q"): False},
@@ -147,7 +154,7 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
         (apply, "mla_kv_b_lora_q"): _zero_kv_b_q,
         (apply, "Q_B_EXPAND_WITH_KV_B_Q"): False,
     },
-    "skip_kv_b_o": {(apply, "mla_kv_b_lora_o"): _nothing},
+    "skip_kv_b_o": {(apply, "mla_kv_b_lora_o"): _nothing, (apply, "KV_B_O_IN_MERGE"): False},
     "skip_expand": {(apply, "sgmv_expand"): _nothing},
 }
 

@@ -29,6 +29,7 @@ from kernels.mla_decode_parts import (
     paged_rows,
     split_range,
 )
+from kernels.mla_lora import OutputCorrection, store_output_correction
 from kernels.pdl import grid_dependency_control
 
 
@@ -138,9 +139,15 @@ MERGE_NARROW_BLOCK_C = 128
 def _mla_decode_merge_kernel(
     o_part_ptr, lse_part_ptr, out_ptr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    corr_o_ptr, corr_a_ptr, corr_bv_ptr, token_slot_ptr, slot_rank_ptr, V,
+    stride_cot, stride_coh, stride_cas, stride_car, stride_cbs, stride_cbh, stride_cbv,
+    BLOCK_V: tl.constexpr, RANK_CHUNK: tl.constexpr, B_RANK_ALIGN: tl.constexpr,
     C: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT_CHUNK: tl.constexpr, num_splits,
+    CORRECT: tl.constexpr,
 ):  # fmt: skip
-    """out[b, h, column block] = Σ_s w_s · o_part[b, h, s] / Σ_s w_s, w_s = exp(lse_s − max)."""
+    """out[b, h, column block] = Σ_s w_s · o_part[b, h, s] / Σ_s w_s, w_s = exp(lse_s − max).
+    CORRECT (whole rows: BLOCK_C ≥ C): also writes kv_b's output correction of the row
+    (`kernels.mla_lora.store_output_correction`; the corr_* arguments)."""
     grid_dependency_control()
     b, h, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lse_row = lse_part_ptr + b * stride_lb + h * stride_lh
@@ -174,11 +181,15 @@ def _mla_decode_merge_kernel(
         )  # [s, c]
         acc += tl.sum(weight[:, None] * part, axis=0)
         total += tl.sum(weight, axis=0)
-    tl.store(
-        out_ptr + b * stride_outb + h * stride_outh + offs_c,
-        (acc / tl.where(total > 0.0, total, 1.0)).to(out_ptr.dtype.element_ty),
-        mask=mask_c,
-    )
+    o_lat = (acc / tl.where(total > 0.0, total, 1.0)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * stride_outb + h * stride_outh + offs_c, o_lat, mask=mask_c)
+    if CORRECT:
+        store_output_correction(
+            o_lat.to(tl.float32), offs_c, mask_c, b, h,
+            corr_o_ptr, corr_a_ptr, corr_bv_ptr, token_slot_ptr, slot_rank_ptr, V,
+            stride_cot, stride_coh, stride_cas, stride_car, stride_cbs, stride_cbh, stride_cbv,
+            BLOCK_V, RANK_CHUNK, B_RANK_ALIGN,
+        )  # fmt: skip
 
 
 def _prune_head_blocks(configs, named_args, **kwargs):
@@ -230,6 +241,14 @@ def default_decode_variant(heads: int) -> str:
     return "v3" if heads <= V3_MAX_HEADS else "v2"
 
 
+def decode_merges(batch: int, heads: int, latent_dim: int) -> bool:
+    """Whether `mla_decode` with its default variant, plan and split count runs the split
+    merge for this launch shape (so it can write kv_b's output correction, `correction`)."""
+    if default_decode_variant(heads) == "v2":
+        return True
+    return v3.v3_num_splits(batch, heads, latent_dim, v3.default_v3_config(heads)) > 1
+
+
 def mla_decode(
     q_lat: torch.Tensor,
     q_rope: torch.Tensor,
@@ -240,6 +259,7 @@ def mla_decode(
     num_splits: int | None = None,
     config: triton.Config | None = None,
     variant: str | None = None,
+    correction: OutputCorrection | None = None,
 ) -> torch.Tensor:
     """Triton version of `mla_decode_ref` (same arguments; `num_splits` = split-K factor).
 
@@ -249,6 +269,8 @@ def mla_decode(
     `config`: the tile plan. v2: one of MLA_DECODE_CONFIGS; None races them once per shape
     on CUDA and runs the v1 configuration MLA_DECODE_CONFIGS[0] elsewhere (interpreter).
     v3: one of MLA_DECODE_V3_CONFIGS; None takes `default_v3_config(heads)`.
+    `correction`: kv_b's output correction, written by the split merge (a launch that has
+    no merge, `decode_merges` false, refuses it).
     """
     batch, heads, latent_dim = q_lat.shape
     variant = variant or default_decode_variant(heads)
@@ -272,6 +294,8 @@ def mla_decode(
         splits = num_splits or v3.v3_num_splits(batch, heads, latent_dim, config)
     else:
         splits = num_splits or default_num_splits(batch, heads)
+    if variant == "v3" and splits == 1 and correction is not None:
+        raise ValueError(f"{batch} sequences of {heads} heads take one split: no merge to write in")
     if batch == 0:
         return out
     if variant == "v3" and splits == 1:  # the kernel normalises and writes `out` itself
@@ -285,24 +309,38 @@ def mla_decode(
         v3.launch_mla_decode_v3(*args, out, o_part, lse_part, config)
     else:
         _launch_v2(*args, o_part, lse_part, config)
-    merge_splits(o_part, lse_part, out)
+    merge_splits(o_part, lse_part, out, correction)
     return out
 
 
-def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor) -> None:
+def merge_splits(
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    out: torch.Tensor,
+    correction: OutputCorrection | None = None,
+) -> None:
     """out [B, H, C] = the softmax-weighted merge of the splits' partials o_part
     [B, H, splits, C] fp32 by their lse_part [B, H, splits]; a split whose lse is −inf is
-    empty and its partials are never read (they may hold anything)."""
+    empty and its partials are never read (they may hold anything). With `correction`, each
+    program takes a whole row and also writes kv_b's output correction of it."""
     batch, heads, splits, latent_dim = o_part.shape
     chunk = v3.MAX_SPLITS if splits >= MERGE_WHOLE_TILE_MIN_SPLITS else MERGE_SPLIT_CHUNK
     block_c = next_power_of_2(latent_dim)
-    if batch * heads < MERGE_MIN_PROGRAMS:
+    if batch * heads < MERGE_MIN_PROGRAMS and correction is None:
         block_c = min(block_c, MERGE_NARROW_BLOCK_C)
+    if correction is None:
+        # Unused pointers and sizes of the correction (CORRECT is off).
+        corr = (out, out, out, out, out, 0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 1)
+    else:
+        correction.check(out.shape, out.dtype)
+        corr = correction.kernel_args()
     fast(_mla_decode_merge_kernel)[(batch, heads, cdiv(latent_dim, block_c))](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        *corr,
         C=latent_dim, BLOCK_C=block_c, SPLIT_CHUNK=chunk, num_splits=splits,
+        CORRECT=correction is not None,
     )  # fmt: skip
 
 

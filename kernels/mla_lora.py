@@ -9,12 +9,16 @@ h*(nope+v) + [0:nope] = k part, + [nope:nope+v] = v part) is folded the same way
     o[t,h,:]     += (o_lat[t,h,:] · A[slot]ᵀ) · B_v[slot,h]ᵀ        (after attention)
 
 Each correction is one launch (they sit on either side of the attention kernel), one
-program per (segment, head): the rank-sized intermediate stays in registers. Shapes:
+program per (segment, head): the rank-sized intermediate stays in registers. Where the
+attention's split merge runs, the output correction is written by the merge itself
+(`OutputCorrection`, `store_output_correction`): its programs hold whole o_lat rows. Shapes:
 T tokens, H heads, D = qk_nope_head_dim, V = v_head_dim, C = kv_lora_rank, R pool rank.
 Prefill runs the unabsorbed path, where kv_b LoRA is plain SGMV.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -359,6 +363,91 @@ def _absorbed_item_weights(
     )  # [r, o]
     w2 = tl.where(mask_r[:, None], w2, 0.0)
     return w1, w2, rank, t_start, t_end
+
+
+# Rank rows `store_output_correction` takes at a time: [16, 512] of A is 64 values a thread
+# at 4 warps, and a rank-64 pool walks four chunks rather than holding [64, 512].
+OUTPUT_CORRECTION_RANK_CHUNK = 16
+
+
+@dataclass(frozen=True)
+class OutputCorrection:
+    """kv_b's absorbed output correction for a kernel that holds whole o_lat rows (the
+    attention's split merge) to write: o[t,h] = (o_lat[t,h] · A[slot]ᵀ) · B_v[slot,h]ᵀ,
+    zeros for tokens without the adapter. The caller then adds o_lat · W_UVᵀ onto o."""
+
+    o: Tensor  # [T, H, V], overwritten
+    a: Tensor  # [slots, R, C] kv_b pool A
+    b: Tensor  # [slots, H·(D+V), R] kv_b pool B
+    segs: LoraSegments  # token_slot, and kv_b's own slot ranks (`LoraWeights.segments`)
+
+    def check(self, o_lat_shape: torch.Size, dtype: torch.dtype) -> None:
+        """Validate against the o_lat [T, H, C] the kernel will hold."""
+        num_tokens, num_heads, v_dim = self.o.shape
+        a, b, segs = self.a, self.b, self.segs
+        head_rows = _check_kv_b(a, b, dtype, num_heads, o_lat_shape, segs, num_tokens)
+        if head_rows <= v_dim or self.o.stride(-1) != 1:
+            raise ValueError(f"o {tuple(self.o.shape)} does not fit kv_b's B {tuple(self.b.shape)}")
+
+    def kernel_args(self) -> tuple[object, ...]:
+        """Pointers, sizes and strides in `store_output_correction`'s order (after t, h)."""
+        v_dim, pool_rank = self.o.shape[2], self.a.shape[1]
+        head_rows = self.b.shape[1] // self.o.shape[1]
+        b_v = self.b[:, head_rows - v_dim :]  # head h's v rows start at h · head_rows
+        return (
+            self.o, self.a, b_v, self.segs.token_slot, self.segs.slot_rank, v_dim,
+            self.o.stride(0), self.o.stride(1), self.a.stride(0), self.a.stride(1),
+            self.b.stride(0), head_rows * self.b.stride(1), self.b.stride(1),
+            max(16, next_power_of_2(v_dim)), OUTPUT_CORRECTION_RANK_CHUNK,
+            rank_alignment(pool_rank),
+        )  # fmt: skip
+
+
+@triton.jit
+def store_output_correction(
+    o_row, offs_c, mask_c, t, h,
+    o_ptr, a_ptr, bv_ptr, token_slot_ptr, slot_rank_ptr, V,
+    stride_ot, stride_oh, stride_as, stride_ar, stride_bs, stride_bh, stride_bv,
+    BLOCK_V: tl.constexpr, RANK_CHUNK: tl.constexpr, B_RANK_ALIGN: tl.constexpr,
+):  # fmt: skip
+    """o[t, h, :V] = (o_row · A[slot]ᵀ) · B_v[slot, h]ᵀ, zeros when token t has no adapter.
+
+    o_row [BLOCK_C] float32 is head h's whole o_lat row as it was stored (rounded to its
+    dtype); A's columns are offs_c (contiguous). The rank walks RANK_CHUNK rows at a time:
+    u = A_chunk · o_row in float32, rounded to the weights' dtype as the separate kernel's
+    rank intermediate is, then o += B_v[:, chunk] · u. CUDA-core sums: per row a [≤16, C]
+    and a [V, ≤16] product, too small for an MMA tile.
+    """
+    slot = tl.load(token_slot_ptr + t)
+    rank = tl.where(slot >= 0, tl.load(slot_rank_ptr + tl.maximum(slot, 0)), 0)
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    offs_v = tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    a_rows = a_ptr + slot * stride_as
+    bv_rows = bv_ptr + slot * stride_bs + h * stride_bh + offs_v * stride_bv  # [v] row starts
+    o = tl.zeros((BLOCK_V,), tl.float32)
+    for r0 in range(0, rank, RANK_CHUNK):
+        offs_r = r0 + tl.arange(0, RANK_CHUNK)
+        mask_r = offs_r < rank
+        a = tl.load(
+            a_rows + offs_r[:, None] * stride_ar + offs_c[None, :],
+            mask=mask_r[:, None] & mask_c[None, :],
+            other=0.0,
+        )  # [r, c]
+        u = tl.sum(a.to(tl.float32) * o_row[None, :], axis=1)  # [r]
+        u = u.to(a_ptr.dtype.element_ty).to(tl.float32)
+        b = tl.load(
+            bv_rows[:, None] + offs_r[None, :],
+            mask=mask_v[:, None] & (offs_r < rank_load_bound(rank, B_RANK_ALIGN))[None, :],
+            other=0.0,
+        )  # [v, r]
+        b = tl.where(mask_r[None, :], b.to(tl.float32), 0.0)
+        o += tl.sum(b * u[None, :], axis=1)
+    tl.store(
+        o_ptr + t * stride_ot + h * stride_oh + offs_v,
+        o.to(o_ptr.dtype.element_ty),
+        mask=mask_v,
+    )
 
 
 def mla_kv_b_lora_q(

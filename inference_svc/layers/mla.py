@@ -34,7 +34,7 @@ from inference_svc.model.config import ModelConfig
 from kernels.gemv import ResidualAdd, gemv_per_head, gemv_per_head_fits
 from kernels.latent_cache import write_latent_cache, write_latent_cache_ref
 from kernels.lora_segments import LoraSegments
-from kernels.mla_attention import mla_decode, mla_decode_ref
+from kernels.mla_attention import decode_merges, mla_decode, mla_decode_ref
 from kernels.mla_prefill import mla_prefill_varlen, mla_prefill_varlen_ref
 
 # A one-token decode step absorbs W_UK into q and W_UV out of o_lat with kernels.gemv (two
@@ -209,12 +209,25 @@ class MLAAttention(nn.Module):
         else:
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))  # [D, H, C]
         n = batch.num_decode_seqs
+        attention = (q_lat, q_rope, kv_pool, batch.page_table[:n], batch.context_lens[:n])
+        # kv_b's output correction: written by the attention's split merge where there is
+        # one, W_UV's product added onto it; otherwise its own launch after the product
+        # (before the product, its weight reads found no room beside the attention:
+        # docs/benchmarks.md).
+        o_in_merge = (
+            kv_b_lora is not None
+            and o_lora is None
+            and q_nope.is_cuda
+            and lora_apply.KV_B_O_IN_MERGE
+            and decode_merges(*q_lat.shape)
+        )
+        if o_in_merge:
+            correction = lora_apply.kv_b_absorbed_o_in_merge(out, kv_b_lora, lora)
+            o_lat = mla_decode(*attention, self.scale, correction=correction)  # [D, H, C]
+            out.transpose(0, 1).baddbmm_(o_lat.transpose(0, 1), w_uv.transpose(1, 2))
+            return
         attend = mla_decode if q_nope.is_cuda else mla_decode_ref
-        o_lat = attend(
-            q_lat, q_rope, kv_pool, batch.page_table[:n], batch.context_lens[:n], self.scale
-        )  # [D, H, C]
-        # The output correction after the product: before it, its weight reads found no
-        # room beside the attention (prefetch measured slower there; docs/benchmarks.md).
+        o_lat = attend(*attention, self.scale)  # [D, H, C]
         if o_gemv:
             gemv_per_head(o_lat[0], w_uv, out[0], o_lora)  # [H, v]
         else:

@@ -21,6 +21,7 @@ from inference_svc.layers.streams import lora_side_stream
 from kernels.gemv import GemvLora, gemv_lora_shrink
 from kernels.lora_segments import LoraSegments
 from kernels.mla_lora import (
+    OutputCorrection,
     mla_kv_b_lora_o,
     mla_kv_b_lora_o_ref,
     mla_kv_b_lora_q,
@@ -239,6 +240,21 @@ def finish_q_b_lora_with_kv_b_q(
     apply = q_b_expand_kv_b_q if q.is_cuda else q_b_expand_kv_b_q_ref
     lora = QueryLora(pending.y, q_b.b, pending.segments, kv_b.a, kv_b.b, kv_b.rank, nope_dim)
     apply(q, q_lat, lora)
+
+
+# A decode step whose attention runs the split merge (kernels.mla_attention.decode_merges)
+# has the merge write kv_b's output correction, and W_UV's product is added onto it: one
+# launch fewer a layer. False: the correction's own launch after the product
+# (bench.lora_decode_overhead kernel set "kv_b_o_separate").
+KV_B_O_IN_MERGE = True
+
+
+def kv_b_absorbed_o_in_merge(
+    o: Tensor, weights: LoraWeights, segs: LoraSegments
+) -> OutputCorrection:
+    """kv_b's output correction for the attention's merge to write into o [D, H, v]:
+    o[t,h] = (o_lat[t,h] · A[slot]ᵀ) · B_v[slot,h]ᵀ, zeros for tokens without the adapter."""
+    return OutputCorrection(o, weights.a, weights.b, weights.segments(segs))
 
 
 def add_kv_b_absorbed_o(o_lat: Tensor, o: Tensor, weights: LoraWeights, segs: LoraSegments) -> None:

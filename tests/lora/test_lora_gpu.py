@@ -214,3 +214,50 @@ def test_one_token_lora_in_the_gemv_equals_peft(tiny_model_dirs, monkeypatch, gr
     )
     for slot in (1, 3, -1):
         assert diffs[True, slot] <= diffs[False, slot] + GPU_FP32_SLACK, report
+
+
+@pytest.mark.parametrize("graphs", [(), (1, 2, 4, 8)], ids=["eager", "graphs"])
+def test_kv_b_output_correction_in_the_merge_equals_peft(tiny_model_dirs, monkeypatch, graphs):
+    """Decode steps of several sequences run the attention's split merge, which writes
+    kv_b's output correction before W_UV's product is added onto it
+    (`apply.KV_B_O_IN_MERGE`). In float32, each sequence's logprobs are as close to its
+    transformers+peft model's as with the correction's own launch after the product, for
+    an adapter at the pool's rank, one of rank 4 in the rank-16 pool and the base; steps
+    of one token keep the GEMV path (neither)."""
+    from inference_svc.layers import mla
+    from inference_svc.lora import apply
+
+    calls: dict[str, int] = {}
+
+    def counted(name, launcher):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] = calls.get(name, 0) + 1
+            return launcher(*args, **kwargs)
+
+        return run
+
+    for module, name in ((mla, "add_kv_b_absorbed_o"), (apply, "kv_b_absorbed_o_in_merge")):
+        monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    tokens = random_tokens([9, 12, 7, 10, 11], seed=28)
+    slots = [1, 1, -1, 3, 1]
+    diffs, calls_by_run = {}, {}
+    for in_merge in (True, False):
+        monkeypatch.setattr(apply, "KV_B_O_IN_MERGE", in_merge)
+        calls.clear()
+        runner, peft_models = _adapted_runner(tiny_model_dirs[SPEC], torch.float32, graphs)
+        oracles = {1: peft_models[1], 3: peft_models[0], -1: build_tiny_model(SPEC)}
+        scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
+        scenario.run([4, 5, 3, 6, 2])
+        for i, (seq, slot) in enumerate(zip(scenario.seqs, slots, strict=True)):
+            diffs[in_merge, i] = max_logprob_diff(seq, oracle_logprobs(oracles[slot], tokens[i]))
+        calls_by_run[in_merge] = dict(calls)
+    merged, separate = calls_by_run[True], calls_by_run[False]
+    assert merged.get("kv_b_absorbed_o_in_merge", 0) > 0, merged
+    assert merged.get("add_kv_b_absorbed_o", 0) == 0, merged
+    assert separate.get("kv_b_absorbed_o_in_merge", 0) == 0, separate
+    assert separate.get("add_kv_b_absorbed_o", 0) > 0, separate
+    report = ", ".join(
+        f"{'merge' if m else 'own launch'} seq {i}: {d:.1e}" for (m, i), d in diffs.items()
+    )
+    for i in range(len(slots)):
+        assert diffs[True, i] <= diffs[False, i] + GPU_FP32_SLACK, report
