@@ -546,7 +546,7 @@ def _grouped_gemm_kernel(
     BN: tl.constexpr, BK: tl.constexpr, SCHEME: tl.constexpr, SCALE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LORA_SLICES: tl.constexpr, LORA_BLOCK_R: tl.constexpr,
-    LORA_DOT: tl.constexpr, TILES: tl.constexpr,
+    LORA_DOT: tl.constexpr, BASE_DOT: tl.constexpr, TILES: tl.constexpr,
     SEL_TOP_K: tl.constexpr, SEL_METHOD: tl.constexpr, SEL_N_GROUP: tl.constexpr,
     SEL_TOPK_GROUP: tl.constexpr, SEL_NORM: tl.constexpr, SEL_NORM_EPS: tl.constexpr,
     SEL_BLOCK_E: tl.constexpr, SEL_BLOCK_K: tl.constexpr, GATED_OUT: tl.constexpr,
@@ -622,7 +622,7 @@ def _grouped_gemm_kernel(
         if SCHEME == 2:
             acc += tl.dot(a, b, out_dtype=tl.int32)
         elif SCHEME == 0:
-            acc += tl.dot(a, b)
+            acc += tl.dot(a, b, input_precision=BASE_DOT)
         elif SCHEME == 4:
             # a is e4m3 with one scale per row and K-group of BK (BLOCK_K divides BK): the
             # e4m3 × e4m3 product is exact in float32, then scaled by both blocks' scales.
@@ -644,9 +644,10 @@ def _grouped_gemm_kernel(
                 # chained MMA with the next tile's loads, where scaling each product must
                 # wait for its MMA and pass over acc (the dequantized weight is rounded to
                 # a's dtype, as a checkpoint in that dtype would be).
-                acc = tl.dot(a, (b.to(tl.float32) * s[None, :]).to(a.dtype), acc)
+                b = (b.to(tl.float32) * s[None, :]).to(a.dtype)
+                acc = tl.dot(a, b, acc, input_precision=BASE_DOT)
             else:
-                acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
+                acc += tl.dot(a, b.to(a.dtype), input_precision=BASE_DOT) * s[None, :]
     if SCHEME == 2:
         a_scale = tl.load(a_scale_ptr + a_row, mask=real, other=0.0)  # [BLOCK_M]
         w_scale = tl.load(s_base + offs_n * stride_sn, mask=offs_n < rows_n, other=0.0)
@@ -866,6 +867,9 @@ def grouped_gemm(
         LORA_SLICES=lora.num_slices if lora is not None else 0,
         LORA_BLOCK_R=rank_block(lora.b.shape[3]) if lora is not None else 16,
         LORA_DOT=dot_precision(lora.b.dtype if lora is not None else a.dtype),
+        # float32 activations multiply in float32, not tf32 (the integer schemes' and e4m3's
+        # products are exact either way; this reaches only float and FP8-weight tiles).
+        BASE_DOT=dot_precision(a.dtype),
         **tile_constexprs, GATED_OUT=gated_out, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )  # fmt: skip
