@@ -14,7 +14,9 @@ the speed-up over that plan. No model, no engine.
 (`grouped_gemm(lora=moe_lora_epilogue(...))`, LORA_ADAPTERS rank-16 adapters over runs of
 tokens, as serving's prompt steps have them): a prompt tile is one program an SM, so the
 epilogue's cost depends on the plan (per column tile), and a plan can win with LoRA
-where it does not without. Each row then adds `lora_ms`, `lora_overhead`, the LoRA
+where it does not without (the model's plan for GEMMs with the epilogue,
+`default_tiles(with_lora=True)`, is timed second where it differs, and marked
+`model_plan_with_lora`). Each row then adds `lora_ms`, `lora_overhead`, the LoRA
 output's difference from the current plan's and the LoRA's share of the output.
 
 `--decode` times decode batches instead (64, 128 and 256 tokens, the row tile the model
@@ -206,8 +208,11 @@ def time_plans(
     scheme = fm.weight_scheme(GEMM_SCHEMES[case["scheme"]], scale)
     model_m = fm.moe_block_m(tokens * top_k, experts, scheme)
     model_plan = (model_m, fm.default_tiles(model_m, scheme, case["gemm"]))
-    # The model's own plan first: every other plan is checked and timed against it.
-    plans = [model_plan, *(plan for plan in plans if plan != model_plan)]
+    lora_plan = (model_m, fm.default_tiles(model_m, scheme, case["gemm"], with_lora=True))
+    # The model's own plan first (then its plan for GEMMs with the LoRA epilogue, where that
+    # differs): every other plan is checked and timed against the first.
+    firsts = [model_plan] + ([lora_plan] if lora_adapters and lora_plan != model_plan else [])
+    plans = [*firsts, *(plan for plan in plans if plan not in firsts)]
     rows, baseline, baseline_ms, lora_baseline = [], None, None, None
     for block_m, tiles in plans:
         align = fm.moe_align(ids, experts, block_m)
@@ -237,6 +242,7 @@ def time_plans(
             lora_out = with_lora().float()
             lora_baseline = lora_out if lora_baseline is None else lora_baseline
             row["lora_adapters"] = lora_adapters
+            row["model_plan_with_lora"] = (block_m, tiles) == lora_plan
             row["lora_ms"] = time_ms(with_lora, device, rep=rep)
             row["lora_overhead"] = row["lora_ms"] / ms - 1
             row["lora_max_rel_diff_vs_current"] = (

@@ -62,6 +62,7 @@ from inference_svc.lora.attach import lora_targets
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.model.config import parse_config
 from inference_svc.models import deepseek_v3 as model_module
+from kernels import fused_moe
 from kernels import moe_lora as moe_lora_module
 from kernels.lora_segments import build_lora_segments
 from kernels.mla_lora import mla_kv_b_lora_o
@@ -123,6 +124,18 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
     # The prompt-step MoE LoRA shrink with one K loop per (adapter, expert) key of a pair
     # block (before the first keys shared one: kernels.moe_lora.SHRINK_KEYS_FROM_ROWS).
     "moe_shrink_per_key": {(moe_lora_module, "SHRINK_KEYS_FROM_ROWS"): {}},
+    # The prompt-step grouped GEMM plans before the thirty-first session: bf16 gate_up 3
+    # stages deep, and FP8 gate_up's 256-wide tiles without the LoRA epilogue too.
+    "prefill_tiles_s30": {
+        (fused_moe, "PREFILL_TILES"): {
+            **fused_moe.PREFILL_TILES,
+            "float": {
+                "gate_up": fused_moe.GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3),
+                "down": fused_moe.PREFILL_TILES["float"]["down"],
+            },
+        },
+        (fused_moe, "PREFILL_TILES_WITHOUT_LORA"): {},
+    },
     # The linear modules' shrinks with fewer K splits (fewer float32 atomics).
     "shrink_p2": {(apply, "sgmv_shrink"): functools.partial(sgmv_shrink, variant="planned_p2")},
     "shrink_p1": {(apply, "sgmv_shrink"): functools.partial(sgmv_shrink, variant="planned_p1")},

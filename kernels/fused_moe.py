@@ -717,22 +717,27 @@ class GemmTiles:
 # tiles (long prefills) by scheme and GEMM (`GEMM_ROLES`): what measured fastest on the
 # H100 at V2-Lite's prompt steps (2048-16384 tokens), without LoRA and with the MoE LoRA
 # epilogue. bf16: 256 × 64 tiles (`bench.grouped_gemm_tiles`: gate_up 1.78×, down 2.47×
-# over 64 × 64), down pipelined 4 deep (twenty-ninth session: −4 to −12 %; gate_up's 4
-# stages were mixed). FP8 block-scaled with bf16 activations: 256 × 64 tiles 4 deep
-# (twenty-ninth session, against 128 × 128 × 3: gate_up −6 / −14 to −17 % with LoRA, down
-# −13 / −22 % at 8192 tokens; half the column tiles halve the LoRA epilogues). e4m3
+# over 64 × 64), pipelined 4 deep (down, twenty-ninth session: −4 to −12 %; gate_up,
+# thirty-first session, the MoE stage −2 to −4 % in all eight alternating pairs). FP8
+# block-scaled with bf16 activations: 256 × 64 tiles 4 deep (twenty-ninth session, against
+# 128 × 128 × 3: gate_up −6 / −14 to −17 % with LoRA, down −13 / −22 % at 8192 tokens;
+# half the column tiles halve the LoRA epilogues); without the epilogue gate_up keeps
+# 128-wide column tiles (`PREFILL_TILES_WITHOUT_LORA`, thirty-first session: −4 to −11 %
+# at 8192 tokens, −9 % at 2048; with the epilogue they were +33 to +41 %). e4m3
 # activations keep 128 × 128 (256-wide tiles ran 2.9× slower). w8a8, int4 not measured.
 DEFAULT_TILES = GemmTiles()
 GEMM_ROLES = ("gate_up", "down")
+_BF16_PREFILL = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
 _FP8_PREFILL = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
 _A8_PREFILL = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
 PREFILL_TILES: dict[str, dict[str, GemmTiles]] = {
-    "float": {
-        "gate_up": GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3),
-        "down": GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4),
-    },
+    "float": {"gate_up": _BF16_PREFILL, "down": _BF16_PREFILL},
     "block": {"gate_up": _FP8_PREFILL, "down": _FP8_PREFILL},
     "block_a8": {"gate_up": _A8_PREFILL, "down": _A8_PREFILL},
+}
+# Prefill plans of GEMMs without the MoE LoRA epilogue, where they differ.
+PREFILL_TILES_WITHOUT_LORA: dict[str, dict[str, GemmTiles]] = {
+    "block": {"gate_up": GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4)},
 }
 
 
@@ -775,10 +780,16 @@ def check_role(role: str) -> None:
         raise ValueError(f"unknown grouped GEMM role {role!r} (known: {GEMM_ROLES})")
 
 
-def default_tiles(block_m: int, scheme: str, role: str = "gate_up") -> GemmTiles:
-    """The plan of a `role` GEMM (GEMM_ROLES) over row tiles of block_m under `scheme`."""
+def default_tiles(
+    block_m: int, scheme: str, role: str = "gate_up", with_lora: bool = False
+) -> GemmTiles:
+    """The plan of a `role` GEMM (GEMM_ROLES) over row tiles of block_m under `scheme`,
+    `with_lora`: with the MoE LoRA epilogue (prompt-length tiles pay it per column tile)."""
     check_role(role)
     if block_m >= 128:
+        without = PREFILL_TILES_WITHOUT_LORA.get(scheme, {}).get(role)
+        if without is not None and not with_lora:
+            return without
         return PREFILL_TILES.get(scheme, {}).get(role, DEFAULT_TILES)
     return DECODE_TILES.get(scheme, {}).get(block_m, DEFAULT_TILES)
 
@@ -808,12 +819,12 @@ def grouped_gemm(
     `a` comes quantized so already (QuantizedRows, e.g. from `silu_mul_quant_fp8`).
     "block" (FP8) row tiles of SCALE_TILES_MIN_ROWS and more round each dequantized weight
     tile to a's dtype before its MMA (the reference keeps the scaled weight in float32).
-    tiles: None picks `default_tiles(align.block_m, scheme, role)` (role: which of the MoE's
-    GEMMs this is); a scale block along K must be a multiple of the K tile (the FP8 and
-    int4 schemes use min(tiles.block_k, BK)).
+    tiles: None picks `default_tiles(align.block_m, scheme, role, lora is not None)` (role:
+    which of the MoE's GEMMs this is); a scale block along K must be a multiple of the K
+    tile (the FP8 and int4 schemes use min(tiles.block_k, BK)).
     """
     scheme = weight_scheme(scheme, w_scale)
-    tiles = tiles or default_tiles(align.block_m, scheme, role)
+    tiles = tiles or default_tiles(align.block_m, scheme, role, lora is not None)
     num_experts, n, stored_k = w.shape
     a_scale = None  # the activations' scales (w8a8, block_a8)
     if isinstance(a, QuantizedRows):

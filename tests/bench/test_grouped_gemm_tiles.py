@@ -33,6 +33,10 @@ def test_lora_rows_time_every_plan_with_the_epilogue(tmp_path: Path) -> None:
         assert row["lora_adapters"] == 3 and row["lora_ms"] > 0
         assert row["lora_max_rel_diff_vs_current"] <= 1e-5, row  # fp32 on the CPU
         assert row["lora_rel_delta"] > 1e-3, row  # the epilogue added the adapters' term
+    # bf16 (the smoke's scheme) runs one plan with and without the epilogue.
+    for gemm in ("gate_up", "down"):
+        marked = [row["model_plan_with_lora"] for row in rows if row["gemm"] == gemm]
+        assert marked == [True] + [False] * (len(marked) - 1), marked
 
 
 def test_decode_plans_use_the_models_row_tile_and_report_bandwidth(tmp_path: Path) -> None:

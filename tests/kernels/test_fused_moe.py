@@ -155,15 +155,19 @@ def test_block_m_grows_with_pairs_per_expert():
     assert fm.moe_block_m(256 * 6, 64, "w8a8") == 64
     # Prefill: 64 rows up to ~85 pairs per expert, then 128 (with the long-prefill tiles).
     assert [fm.moe_block_m(t * 6, 64) for t in (512, 900, 911, 8192)] == [64, 64, 128, 128]
-    # Long prefills: each scheme's plan per GEMM; bf16's down pipelines deeper than gate_up.
+    # Long prefills: each scheme's plan per GEMM with the MoE LoRA epilogue, and without it
+    # where a plan of its own measured faster.
     for scheme, plans in fm.PREFILL_TILES.items():
         for role in fm.GEMM_ROLES:
-            assert fm.default_tiles(128, scheme, role) == plans[role]
-    assert fm.default_tiles(128, "float") == fm.PREFILL_TILES["float"]["gate_up"]
-    assert (
-        fm.PREFILL_TILES["float"]["down"].num_stages
-        > fm.PREFILL_TILES["float"]["gate_up"].num_stages
-    )
+            assert fm.default_tiles(128, scheme, role, with_lora=True) == plans[role]
+            without = fm.PREFILL_TILES_WITHOUT_LORA.get(scheme, {}).get(role, plans[role])
+            assert fm.default_tiles(128, scheme, role) == without
+    # FP8's gate_up: 256-wide column tiles halve the epilogues; 128-wide without them.
+    assert fm.default_tiles(128, "block", with_lora=True).block_n == 256
+    assert fm.default_tiles(128, "block").block_n == 128
+    assert fm.default_tiles(128, "block", "down") == fm.default_tiles(128, "block", "down", True)
+    assert fm.default_tiles(128, "float") == fm.default_tiles(128, "float", with_lora=True)
+    assert fm.default_tiles(64, "block") == fm.default_tiles(64, "block", with_lora=True)
     with pytest.raises(ValueError, match="role 'up'"):
         fm.default_tiles(128, "float", "up")
     assert fm.default_tiles(64, "float") == fm.default_tiles(128, "w8a8") == fm.GemmTiles()
@@ -174,7 +178,11 @@ def test_block_m_grows_with_pairs_per_expert():
     # e4m3 activations: FP8's row tiles, their own prefill and decode plans.
     a8 = [fm.moe_block_m(b * 6, 64, "block_a8") for b in (1, 64, 128, 256, 512)]
     assert a8 == fp8
-    assert fm.default_tiles(128, "block_a8").block_n < fm.default_tiles(128, "block").block_n
+    a8_plan, fp8_lora_plan = (
+        fm.default_tiles(128, "block_a8"),
+        fm.default_tiles(128, "block", "gate_up", True),
+    )
+    assert a8_plan.block_n < fp8_lora_plan.block_n
     assert fm.default_tiles(16, "block_a8") == fm.DECODE_TILES["block_a8"][16]
 
 
@@ -211,6 +219,29 @@ def test_grouped_gemm_matches_ref(dtype, pattern, fp8_block, block_m):
     down = fm.grouped_gemm(act.to(DEVICE), w2.to(DEVICE), align, 1, s2_dev, fp8_block, role="down")
     down_ref = fm.grouped_gemm_ref(act.float(), w2, align_cpu, 1, s2, fp8_block, role="down")
     torch.testing.assert_close(down.float().cpu(), down_ref, atol=atol * 4, rtol=rtol * 4)
+
+
+def test_long_prefill_without_lora_takes_its_own_plan(monkeypatch):
+    """A GEMM without the MoE LoRA epilogue asks `default_tiles` for the plan without it
+    (FP8's gate_up: 128-wide column tiles), and computes the same product with it."""
+    plans = []
+    default_tiles = fm.default_tiles
+
+    def recorded(*args):  # type: ignore[no-untyped-def]
+        plans.append(default_tiles(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(fm, "default_tiles", recorded)
+    ids, _ = routing(21, 8, 2, "uniform", seed=3)
+    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(4))
+    w, scale = make_experts(8, 96, 64, torch.float32, 5, (16, 32))
+    align = fm.moe_align(ids.to(DEVICE), 8, 128)
+    ours = fm.grouped_gemm(x.to(DEVICE), w.to(DEVICE), align, 2, scale.to(DEVICE), (16, 32))
+    assert plans == [default_tiles(128, "block", "gate_up", False)]
+    assert plans[0] != default_tiles(128, "block", "gate_up", True)
+    ref = fm.grouped_gemm_ref(x, w, fm.moe_align_ref(ids, 8, 128), 2, scale, (16, 32))
+    atol, rtol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(ours.float().cpu(), ref, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -168,11 +168,22 @@ def test_epilogue_layouts(gated, shared_outer) -> None:  # type: ignore[no-untyp
     _check(segs, ids, slices, t, torch.float32)
 
 
-def test_epilogue_with_fp8_experts_and_prefill_tiles() -> None:
+def test_epilogue_with_fp8_experts_and_prefill_tiles(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """FP8 block-scaled experts (the scale applied per K tile, then the LoRA term) and
-    128-row tiles; a pool rank above the 64-wide rank tile walks two rank blocks."""
+    128-row tiles of the plan for GEMMs with the epilogue (`default_tiles(with_lora=True)`);
+    a pool rank above the 64-wide rank tile walks two rank blocks."""
+    plans = []
+    default_tiles = fm.default_tiles
+
+    def recorded(*args):  # type: ignore[no-untyped-def]
+        plans.append(default_tiles(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(fm, "default_tiles", recorded)
     segs, ids, slices, t = _case("skewed", torch.float32, 3, pool_rank=80)
     _check(segs, ids, slices, t, torch.float32, quant="fp8", block_m=128)
+    with_lora = [default_tiles(128, "block", role, True) for role in fm.GEMM_ROLES]
+    assert plans == with_lora and plans[0] != default_tiles(128, "block", "gate_up")
 
 
 @pytest.mark.parametrize("quant", ["w8a8", "int4_group"])
