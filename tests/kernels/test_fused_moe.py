@@ -221,9 +221,8 @@ def test_grouped_gemm_matches_ref(dtype, pattern, fp8_block, block_m):
     torch.testing.assert_close(down.float().cpu(), down_ref, atol=atol * 4, rtol=rtol * 4)
 
 
-def test_long_prefill_without_lora_takes_its_own_plan(monkeypatch):
-    """A GEMM without the MoE LoRA epilogue asks `default_tiles` for the plan without it
-    (FP8's gate_up: 128-wide column tiles), and computes the same product with it."""
+def record_default_tiles(monkeypatch) -> list:  # type: ignore[no-untyped-def]
+    """The plans `fm.default_tiles` returns from here on, in call order."""
     plans = []
     default_tiles = fm.default_tiles
 
@@ -232,6 +231,14 @@ def test_long_prefill_without_lora_takes_its_own_plan(monkeypatch):
         return plans[-1]
 
     monkeypatch.setattr(fm, "default_tiles", recorded)
+    return plans
+
+
+def test_long_prefill_without_lora_takes_its_own_plan(monkeypatch):
+    """A GEMM without the MoE LoRA epilogue asks `default_tiles` for the plan without it
+    (FP8's gate_up: 128-wide column tiles), and computes the same product with it."""
+    default_tiles = fm.default_tiles
+    plans = record_default_tiles(monkeypatch)
     ids, _ = routing(21, 8, 2, "uniform", seed=3)
     x = torch.randn(21, 64, generator=torch.Generator().manual_seed(4))
     w, scale = make_experts(8, 96, 64, torch.float32, 5, (16, 32))

@@ -20,7 +20,7 @@ from kernels.moe_lora import (
 )
 from tests.fixtures.triton_interpret import kernel_device
 from tests.kernels.lora_cases import POPULARITIES, assert_close, mixed_ranks, popular_slots
-from tests.kernels.test_fused_moe import make_experts, routing
+from tests.kernels.test_fused_moe import make_experts, record_default_tiles, routing
 from tests.kernels.test_quant_moe import quantize_experts
 
 DEVICE = kernel_device()
@@ -172,14 +172,8 @@ def test_epilogue_with_fp8_experts_and_prefill_tiles(monkeypatch) -> None:  # ty
     """FP8 block-scaled experts (the scale applied per K tile, then the LoRA term) and
     128-row tiles of the plan for GEMMs with the epilogue (`default_tiles(with_lora=True)`);
     a pool rank above the 64-wide rank tile walks two rank blocks."""
-    plans = []
     default_tiles = fm.default_tiles
-
-    def recorded(*args):  # type: ignore[no-untyped-def]
-        plans.append(default_tiles(*args))
-        return plans[-1]
-
-    monkeypatch.setattr(fm, "default_tiles", recorded)
+    plans = record_default_tiles(monkeypatch)
     segs, ids, slices, t = _case("skewed", torch.float32, 3, pool_rank=80)
     _check(segs, ids, slices, t, torch.float32, quant="fp8", block_m=128)
     with_lora = [default_tiles(128, "block", role, True) for role in fm.GEMM_ROLES]

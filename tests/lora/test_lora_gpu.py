@@ -39,6 +39,23 @@ def _adapted_runner(folder, dtype, cuda_graph_sizes=()):
     return runner, [peft_model for peft_model, _ in cases]
 
 
+def _count_calls(monkeypatch, *targets):  # type: ignore[no-untyped-def]
+    """Wrap each (module, function name) so that the returned dict counts its calls by name
+    (the tests clear it between runs)."""
+    calls: dict[str, int] = {}
+
+    def counted(name, launcher):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] = calls.get(name, 0) + 1
+            return launcher(*args, **kwargs)
+
+        return run
+
+    for module, name in targets:
+        monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    return calls
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_cuda_graph_decode_replay_with_lora_equals_eager(tiny_model_dirs, dtype, tol):
     """Five sequences (two adapters and the base) decode through graphs captured for 1, 2,
@@ -167,23 +184,14 @@ def test_one_token_lora_in_the_gemv_equals_peft(tiny_model_dirs, monkeypatch, gr
         monkeypatch.setattr(gemv, "LORA_TILE_ELEMENTS", o_tile)
         assert gemv._u_chunk(32, 16) == 16
 
-    calls: dict[str, int] = {}
-
-    def counted(name, launcher):  # type: ignore[no-untyped-def]
-        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
-            calls[name] = calls.get(name, 0) + 1
-            return launcher(*args, **kwargs)
-
-        return run
-
-    for module, name in (
+    calls = _count_calls(
+        monkeypatch,
         (linear, "one_token_linear_lora"),
         (mla, "one_token_kv_b_lora"),
         (mla, "set_kv_b_absorbed_q"),
         (mla, "add_kv_b_absorbed_o"),
         (apply, "finish_q_b_lora_with_kv_b_q"),
-    ):
-        monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    )
     tokens = random_tokens([9, 8, 7], seed=27)
     diffs, calls_by_run = {}, {}
     for fused in (True, False):
@@ -227,17 +235,9 @@ def test_kv_b_output_correction_in_the_merge_equals_peft(tiny_model_dirs, monkey
     from inference_svc.layers import mla
     from inference_svc.lora import apply
 
-    calls: dict[str, int] = {}
-
-    def counted(name, launcher):  # type: ignore[no-untyped-def]
-        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
-            calls[name] = calls.get(name, 0) + 1
-            return launcher(*args, **kwargs)
-
-        return run
-
-    for module, name in ((mla, "add_kv_b_absorbed_o"), (apply, "kv_b_absorbed_o_in_merge")):
-        monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    calls = _count_calls(
+        monkeypatch, (mla, "add_kv_b_absorbed_o"), (apply, "kv_b_absorbed_o_in_merge")
+    )
     tokens = random_tokens([9, 12, 7, 10, 11], seed=28)
     slots = [1, 1, -1, 3, 1]
     diffs, calls_by_run = {}, {}
