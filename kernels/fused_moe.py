@@ -727,12 +727,11 @@ class GemmTiles:
 # activations keep 128 × 128 (256-wide tiles ran 2.9× slower). w8a8, int4 not measured.
 DEFAULT_TILES = GemmTiles()
 GEMM_ROLES = ("gate_up", "down")
-_BF16_PREFILL = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
-_FP8_PREFILL = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
+_WIDE_PREFILL = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)  # bf16, FP8
 _A8_PREFILL = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
 PREFILL_TILES: dict[str, dict[str, GemmTiles]] = {
-    "float": {"gate_up": _BF16_PREFILL, "down": _BF16_PREFILL},
-    "block": {"gate_up": _FP8_PREFILL, "down": _FP8_PREFILL},
+    "float": {"gate_up": _WIDE_PREFILL, "down": _WIDE_PREFILL},
+    "block": {"gate_up": _WIDE_PREFILL, "down": _WIDE_PREFILL},
     "block_a8": {"gate_up": _A8_PREFILL, "down": _A8_PREFILL},
 }
 # Prefill plans of GEMMs without the MoE LoRA epilogue, where they differ.

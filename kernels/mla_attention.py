@@ -16,6 +16,8 @@ Shapes: B sequences, H heads, C kv_lora_rank, R rope dim, S page size.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -241,12 +243,45 @@ def default_decode_variant(heads: int) -> str:
     return "v3" if heads <= V3_MAX_HEADS else "v2"
 
 
+class DecodePlan(NamedTuple):
+    """What `mla_decode` launches for a shape: the kernel variant, its tile plan (None: v2
+    races its configurations) and the split count."""
+
+    variant: str
+    config: triton.Config | None
+    splits: int
+
+    @property
+    def merges(self) -> bool:
+        """Whether the split merge runs (v2 always merges; v3 writes `out` itself from one
+        split), so it can write kv_b's output correction."""
+        return self.variant == "v2" or self.splits > 1
+
+
+def decode_plan(
+    batch: int,
+    heads: int,
+    latent_dim: int,
+    variant: str | None = None,
+    config: triton.Config | None = None,
+    num_splits: int | None = None,
+) -> DecodePlan:
+    """`mla_decode`'s choices for a launch shape; None takes each default."""
+    variant = variant or default_decode_variant(heads)
+    if variant not in MLA_DECODE_VARIANTS:
+        raise ValueError(f"unknown MLA decode variant {variant!r}; known: {MLA_DECODE_VARIANTS}")
+    if variant == "v3":
+        config = config or v3.default_v3_config(heads)
+        return DecodePlan(
+            variant, config, num_splits or v3.v3_num_splits(batch, heads, latent_dim, config)
+        )
+    return DecodePlan(variant, config, num_splits or default_num_splits(batch, heads))
+
+
 def decode_merges(batch: int, heads: int, latent_dim: int) -> bool:
-    """Whether `mla_decode` with its default variant, plan and split count runs the split
-    merge for this launch shape (so it can write kv_b's output correction, `correction`)."""
-    if default_decode_variant(heads) == "v2":
-        return True
-    return v3.v3_num_splits(batch, heads, latent_dim, v3.default_v3_config(heads)) > 1
+    """Whether `mla_decode` with its defaults runs the split merge for this launch shape
+    (so it can write kv_b's output correction, `correction`)."""
+    return decode_plan(batch, heads, latent_dim).merges
 
 
 def mla_decode(
@@ -273,9 +308,8 @@ def mla_decode(
     no merge, `decode_merges` false, refuses it).
     """
     batch, heads, latent_dim = q_lat.shape
-    variant = variant or default_decode_variant(heads)
-    if variant not in MLA_DECODE_VARIANTS:
-        raise ValueError(f"unknown MLA decode variant {variant!r}; known: {MLA_DECODE_VARIANTS}")
+    plan = decode_plan(batch, heads, latent_dim, variant, config, num_splits)
+    variant, config, splits = plan
     rope_dim = q_rope.shape[-1]
     pages, page_size, width = kv_pool.shape
     if width != latent_dim + rope_dim or q_rope.shape[:2] != (batch, heads):
@@ -289,16 +323,11 @@ def mla_decode(
         raise ValueError("q_lat, q_rope and kv_pool need unit stride in the last dim")
     args = (q_lat, q_rope, kv_pool, page_table, context_lens, scale)
     out = torch.empty_like(q_lat)
-    if variant == "v3":
-        config = config or v3.default_v3_config(heads)
-        splits = num_splits or v3.v3_num_splits(batch, heads, latent_dim, config)
-    else:
-        splits = num_splits or default_num_splits(batch, heads)
-    if variant == "v3" and splits == 1 and correction is not None:
+    if not plan.merges and correction is not None:
         raise ValueError(f"{batch} sequences of {heads} heads take one split: no merge to write in")
     if batch == 0:
         return out
-    if variant == "v3" and splits == 1:  # the kernel normalises and writes `out` itself
+    if not plan.merges:  # the v3 kernel normalises and writes `out` itself
         v3.launch_mla_decode_v3(*args, out, None, None, config)
         return out
     o_part = torch.empty(
@@ -329,8 +358,7 @@ def merge_splits(
     if batch * heads < MERGE_MIN_PROGRAMS and correction is None:
         block_c = min(block_c, MERGE_NARROW_BLOCK_C)
     if correction is None:
-        # Unused pointers and sizes of the correction (CORRECT is off).
-        corr = (out, out, out, out, out, 0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 1)
+        corr = OutputCorrection.unused_kernel_args(out)
     else:
         correction.check(out.shape, out.dtype)
         corr = correction.kernel_args()

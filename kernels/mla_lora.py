@@ -402,6 +402,11 @@ class OutputCorrection:
             rank_alignment(pool_rank),
         )  # fmt: skip
 
+    @staticmethod
+    def unused_kernel_args(tensor: Tensor) -> tuple[object, ...]:
+        """`kernel_args`' places filled for a launch without the correction (never read)."""
+        return (tensor,) * 5 + (0,) * 8 + (16, OUTPUT_CORRECTION_RANK_CHUNK, 1)
+
 
 @triton.jit
 def store_output_correction(
