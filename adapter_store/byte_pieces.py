@@ -1,5 +1,6 @@
-"""Bytes that arrive in pieces (ranged GETs, stream messages), kept as the pieces and
-hashed as they come; read out by range (adapter_store.safetensors_pieces) or joined once.
+"""Bytes that arrive in pieces (ranged GETs, stream messages), kept as the pieces (and
+hashed as they come where the whole file's digest is what verifies them); read out by
+range (adapter_store.safetensors_pieces) or joined once.
 
 Why not a bytearray filled piece by piece and copied to bytes at the end: for a 553 MB
 adapter that touches every page of two fresh allocations of the whole size, and the page
@@ -14,17 +15,16 @@ import bisect
 import hashlib
 
 
-class HashedPieces:
-    """Pieces in arrival order, their running sha256 and total size."""
+class BytePieces:
+    """Pieces in order and their total size (each already verified by whoever
+    appends it: `adapter_store.format.Manifest.part_sha256`)."""
 
     def __init__(self) -> None:
         self._pieces: list[bytes] = []
         self._starts: list[int] = []  # each piece's offset in the whole
-        self._sha256 = hashlib.sha256()
         self.size = 0
 
     def append(self, piece: bytes) -> None:
-        self._sha256.update(piece)  # releases the GIL for large pieces
         self._pieces.append(piece)
         self._starts.append(self.size)
         self.size += len(piece)
@@ -42,11 +42,23 @@ class HashedPieces:
             written += len(chunk)
             index += 1
 
-    def hexdigest(self) -> str:
-        return self._sha256.hexdigest()
-
     def join(self) -> bytes:
         """The whole, once; the pieces are let go."""
         whole = b"".join(self._pieces)
         self._pieces, self._starts = [], []
         return whole
+
+
+class HashedPieces(BytePieces):
+    """Pieces in arrival order, their running sha256 and total size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sha256 = hashlib.sha256()
+
+    def append(self, piece: bytes) -> None:
+        self._sha256.update(piece)  # releases the GIL for large pieces
+        super().append(piece)
+
+    def hexdigest(self) -> str:
+        return self._sha256.hexdigest()

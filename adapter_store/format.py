@@ -15,16 +15,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from adapter_store.byte_pieces import HashedPieces
+from adapter_store.byte_pieces import BytePieces
 from adapter_store.errors import InvalidArgument
 from adapter_store.model_shapes import (
     CANONICAL_MODULES,
@@ -40,6 +42,7 @@ __all__ = [
     "DTYPES",
     "FORMAT_VERSION",
     "MOE_LAYOUTS",
+    "DIGEST_PART_BYTES",
     "CanonicalAdapter",
     "Manifest",
     "ModuleShape",
@@ -49,12 +52,18 @@ __all__ = [
     "model_lora_shapes",
     "module_key",
     "parse_tensor_name",
+    "parts_digest",
     "serialize",
     "shape_at",
     "tensor_name",
 ]
 
 FORMAT_VERSION = 1
+# Bytes per digested part of weights.safetensors (Manifest.part_sha256): the size of one
+# ranged GET, so a reader checks each part on the thread that fetched it.
+DIGEST_PART_BYTES = 8 << 20
+MIN_DIGEST_PART_BYTES = 4096  # a manifest cannot ask for millions of tiny GETs
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 MOE_LAYOUTS = ("none", "per_expert", "shared_outer")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -108,6 +117,11 @@ class Manifest:
     source_peft_config: dict[str, Any]
     # "layers.L.module" -> output width of each stacked slice (splits lora_B's rows).
     module_slices: dict[str, list[int]] = field(default_factory=dict)
+    # sha256 of each `part_bytes` of the weights (the last part shorter), so a reader
+    # verifies parts on several cores as they arrive instead of one in-order digest of the
+    # whole file. Empty in manifests written before parts were digested.
+    part_bytes: int = 0
+    part_sha256: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:
@@ -129,6 +143,33 @@ class Manifest:
                 )
         if set(self.module_slices) != set(self.module_ranks):
             raise InvalidArgument("manifest module_slices and module_ranks name different modules")
+        if self.part_sha256:
+            self._check_parts()
+
+    def _check_parts(self) -> None:
+        if not isinstance(self.part_bytes, int) or self.part_bytes < MIN_DIGEST_PART_BYTES:
+            raise InvalidArgument(
+                f"manifest part_bytes {self.part_bytes!r} is below {MIN_DIGEST_PART_BYTES}"
+            )
+        parts = -(-self.size_bytes // self.part_bytes)
+        if len(self.part_sha256) != parts:
+            raise InvalidArgument(
+                f"manifest part_sha256 has {len(self.part_sha256)} digests, {self.size_bytes} "
+                f"bytes in parts of {self.part_bytes} need {parts}"
+            )
+        for index, digest in enumerate(self.part_sha256):
+            if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
+                raise InvalidArgument(f"manifest part_sha256[{index}] is not 64 hex digits")
+
+    @property
+    def parts_sha256(self) -> str:
+        """The digest that binds `part_sha256` to the store's record ("" without parts)."""
+        return parts_digest(self.part_bytes, self.part_sha256)
+
+    def part_range(self, index: int) -> tuple[int, int]:
+        """[start, end) bytes of part `index` of the weights."""
+        start = index * self.part_bytes
+        return start, min(start + self.part_bytes, self.size_bytes)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, indent=1).encode()
@@ -142,7 +183,10 @@ class Manifest:
         if not isinstance(raw, dict):
             raise InvalidArgument("manifest.json must hold a JSON object")
         names = {f.name for f in fields(cls)}
-        missing = sorted(n for n in names if n not in raw and n != "module_slices")
+        required = {
+            f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+        }
+        missing = sorted(n for n in required if n not in raw)
         if missing:
             raise InvalidArgument(f"manifest.json lacks fields {missing}")
         try:
@@ -214,13 +258,44 @@ def validate_tensors(manifest: Manifest, tensors: Mapping[str, torch.Tensor]) ->
             )
 
 
-def serialize(adapter: CanonicalAdapter) -> tuple[bytes, bytes]:
-    """-> (weights.safetensors bytes, manifest.json bytes); fills the manifest's sha256/size."""
+def parts_digest(part_bytes: int, part_sha256: list[str]) -> str:
+    """sha256 of a manifest's part size and part digests, kept in the store's record so that
+    the parts a reader verifies are the ones the store wrote ("" for no parts)."""
+    if not part_sha256:
+        return ""
+    listing = json.dumps([part_bytes, part_sha256], separators=(",", ":"))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _sha256_hex(data: memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def weights_digests(weights: bytes, part_bytes: int) -> tuple[str, list[str]]:
+    """(sha256 of the whole, sha256 of each `part_bytes` part), hashed on several threads
+    (hashlib releases the GIL)."""
+    view = memoryview(weights)
+    parts = [view[start : start + part_bytes] for start in range(0, len(view), part_bytes)]
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="digest") as pool:
+        whole = pool.submit(_sha256_hex, view)
+        return whole.result(), list(pool.map(_sha256_hex, parts))
+
+
+def serialize(
+    adapter: CanonicalAdapter, part_bytes: int = DIGEST_PART_BYTES
+) -> tuple[bytes, bytes]:
+    """-> (weights.safetensors bytes, manifest.json bytes); fills the manifest's digests
+    (whole file and parts of `part_bytes`) and size."""
     validate_tensors(adapter.manifest, adapter.tensors)
     tensors = {name: tensor.contiguous() for name, tensor in adapter.tensors.items()}
     weights = save_safetensors(tensors, metadata={"format_version": str(FORMAT_VERSION)})
+    whole, parts = weights_digests(weights, part_bytes)
     adapter.manifest = replace(
-        adapter.manifest, sha256=hashlib.sha256(weights).hexdigest(), size_bytes=len(weights)
+        adapter.manifest,
+        sha256=whole,
+        size_bytes=len(weights),
+        part_bytes=part_bytes,
+        part_sha256=parts,
     )
     return weights, adapter.manifest.to_json()
 
@@ -244,7 +319,7 @@ def deserialize(weights: bytes, manifest_json: bytes, *, verify: bool = True) ->
     return CanonicalAdapter(manifest=manifest, tensors=tensors)
 
 
-def deserialize_pieces(weights: HashedPieces, manifest: Manifest) -> CanonicalAdapter:
+def deserialize_pieces(weights: BytePieces, manifest: Manifest) -> CanonicalAdapter:
     """`deserialize` of weights that arrived in pieces, read without joining them
     (adapter_store.safetensors_pieces); the caller has checked their digest against
     `manifest` (already parsed: callers check it before reading the weights)."""

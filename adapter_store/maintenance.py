@@ -147,7 +147,11 @@ def _check_consistent(key: AdapterKey, record: AdapterRecord, manifest: Manifest
     where = (record.tenant, record.name, record.version)
     if where != (key.tenant, key.name, key.version):
         raise FailedPrecondition(f"record.json names {where}, its prefix says otherwise")
-    if (manifest.sha256, manifest.size_bytes) != (record.sha256, record.size_bytes):
+    if (manifest.sha256, manifest.size_bytes, manifest.parts_sha256) != (
+        record.sha256,
+        record.size_bytes,
+        record.parts_sha256,
+    ):
         raise FailedPrecondition("record.json and manifest.json disagree on the weights")
 
 

@@ -113,6 +113,9 @@ class AdapterRecord:
     module_ranks: dict[str, int] = field(default_factory=dict)  # "layers.L.module" -> rank
     description: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    # format.parts_digest of the manifest's part digests: binds them to this record, so a
+    # reader may verify the weights part by part ("" for versions stored before parts).
+    parts_sha256: str = ""
 
     @property
     def storage_prefix(self) -> str:

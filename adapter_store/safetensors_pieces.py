@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from adapter_store.byte_pieces import HashedPieces
+from adapter_store.byte_pieces import BytePieces
 
 # The safetensors dtype names of the float types canonical adapters are stored in.
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -33,7 +33,7 @@ class SafetensorsError(ValueError):
     pass
 
 
-def read_safetensors(pieces: HashedPieces) -> dict[str, torch.Tensor]:
+def read_safetensors(pieces: BytePieces) -> dict[str, torch.Tensor]:
     """Every tensor of the file in `pieces`, each a fresh CPU tensor of its own."""
     if sys.byteorder != "little":
         raise SafetensorsError("safetensors data is little-endian; this host is not")
@@ -69,7 +69,7 @@ def read_safetensors(pieces: HashedPieces) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _header(pieces: HashedPieces) -> tuple[dict[str, Any], int]:
+def _header(pieces: BytePieces) -> tuple[dict[str, Any], int]:
     """The JSON header and the offset of the data after it."""
     if pieces.size < 8:
         raise SafetensorsError(f"the file is {pieces.size} bytes, shorter than its header length")

@@ -243,6 +243,7 @@ class AdapterStoreService:
             base_model=base.name,
             rank=manifest.rank,
             sha256=manifest.sha256,
+            parts_sha256=manifest.parts_sha256,
             size_bytes=manifest.size_bytes,
             dtype=manifest.dtype,
             moe_layout=manifest.moe_layout,

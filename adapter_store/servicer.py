@@ -45,6 +45,7 @@ def adapter_to_proto(record: AdapterRecord) -> pb.Adapter:
         rank=record.rank,
         target_modules=record.target_modules,
         sha256=record.sha256,
+        parts_sha256=record.parts_sha256,
         size_bytes=record.size_bytes,
         created_at=record.created_at,
         description=record.description,

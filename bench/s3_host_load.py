@@ -3,6 +3,9 @@ DeepSeek-V2-Lite canonical bf16 adapters in three layouts, stored in a real Seaw
 (`weed server -s3` on loopback) and fetched by the inference service's own
 `S3AdapterFetcher` (parallel ranged GETs, sha256 check, safetensors parse), then inserted
 into the host cache packed for a bf16 rank-16 pool (`HostAdapterCache` + `pool.packing`).
+Each fetch is timed twice per repeat, alternating: verified by parts (each 8 MiB part's
+sha256 on the thread that fetched it, as for a record that binds them) and by the whole
+file's sha256 (a record from before part digests).
 
 CPU only (needs boto3 and the `weed` binary): the cold path's first two tiers, measured on
 the CI-class machine; the host → GPU tier is `bench.lora_slot_load` on the GPU.
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from adapter_store.format import model_lora_shapes, serialize
+from adapter_store.format import Manifest, model_lora_shapes, serialize
 from bench.lora_slot_load import RANK, SCENARIOS, V2_LITE
 from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig, adapter_bytes
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher, S3FetchConfig, adapter_prefix
@@ -37,8 +40,8 @@ BUCKET = "bench-adapters"
 TENANT = "bench"
 
 
-def store_adapters(endpoint: str, layers: int) -> dict[str, tuple[str, int]]:
-    """Write one adapter per scenario to S3; scenario -> (adapter name, weights bytes)."""
+def store_adapters(endpoint: str, layers: int) -> dict[str, tuple[str, Manifest]]:
+    """Write one adapter per scenario to S3; scenario -> (adapter name, its manifest)."""
     import boto3
 
     s3 = boto3.client("s3", endpoint_url=endpoint)
@@ -52,7 +55,7 @@ def store_adapters(endpoint: str, layers: int) -> dict[str, tuple[str, int]]:
         prefix = adapter_prefix(TENANT, name, 1)
         s3.put_object(Bucket=BUCKET, Key=prefix + "weights.safetensors", Body=weights)
         s3.put_object(Bucket=BUCKET, Key=prefix + "manifest.json", Body=manifest_json)
-        stored[scenario] = (name, len(weights))
+        stored[scenario] = (name, adapter.manifest)
     return stored
 
 
@@ -64,11 +67,17 @@ def measure(endpoint: str, layers: int, repeats: int) -> list[dict]:
     fetcher = S3AdapterFetcher(S3FetchConfig(bucket=BUCKET, endpoint_url=endpoint))
     rows = []
     try:
-        for scenario, (name, size) in stored.items():
-            fetch_s, insert_s = [], []
+        for scenario, (name, manifest) in stored.items():
+            size = manifest.size_bytes
+            fetch_s, whole_s, insert_s = [], [], []
             for _ in range(repeats):
+                whole = fetcher.fetch(TENANT, name, 1, manifest.sha256)
+                assert whole.verified_by == "whole"
+                whole_s.append(whole.seconds)
+                del whole
                 cache = HostAdapterCache(HostCacheConfig(4 << 30, dtype=torch.bfloat16), packing)
-                fetched = fetcher.fetch(TENANT, name, 1)
+                fetched = fetcher.fetch(TENANT, name, 1, manifest.sha256, manifest.parts_sha256)
+                assert fetched.verified_by == "parts"
                 fetch_s.append(fetched.seconds)
                 started = time.perf_counter()
                 stored_adapter = cache.insert(name, fetched.adapter)
@@ -76,15 +85,18 @@ def measure(endpoint: str, layers: int, repeats: int) -> list[dict]:
                 assert adapter_bytes(stored_adapter) >= size - (1 << 20)
                 del cache, fetched, stored_adapter
             fetch_p50, insert_p50 = statistics.median(fetch_s), statistics.median(insert_s)
+            whole_p50 = statistics.median(whole_s)
             rows.append(
                 {
                     "scenario": scenario,
                     "rank": RANK,
                     "weights_bytes": size,
-                    "parts": -(-size // fetcher.config.part_size),
+                    "parts": len(manifest.part_sha256),
                     "fetch_s": fetch_s,
+                    "fetch_whole_file_digest_s": whole_s,
                     "insert_s": insert_s,
                     "fetch_s_p50": fetch_p50,
+                    "fetch_whole_file_digest_s_p50": whole_p50,
                     "insert_s_p50": insert_p50,
                     "s3_to_host_s_p50": fetch_p50 + insert_p50,
                     "fetch_MBps_p50": size / fetch_p50 / 1e6,
@@ -92,8 +104,8 @@ def measure(endpoint: str, layers: int, repeats: int) -> list[dict]:
             )
             print(
                 f"{scenario:45s} {size / 2**20:7.1f} MiB fetch {1e3 * fetch_p50:8.1f} ms "
-                f"({size / fetch_p50 / 1e6:6.1f} MB/s) + pack into host cache "
-                f"{1e3 * insert_p50:7.1f} ms",
+                f"({size / fetch_p50 / 1e6:6.1f} MB/s; whole-file digest "
+                f"{1e3 * whole_p50:8.1f} ms) + pack into host cache {1e3 * insert_p50:7.1f} ms",
                 flush=True,
             )
     finally:
@@ -112,8 +124,10 @@ def plot(result: dict, path: Path) -> None:
     fetch = [1e3 * r["fetch_s_p50"] for r in rows]
     insert = [1e3 * r["insert_s_p50"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 3.5))
-    ax.barh(labels, fetch, color="tab:blue", label="S3 fetch (ranged GETs + sha256 + parse)")
+    whole = [1e3 * r["fetch_whole_file_digest_s_p50"] for r in rows]
+    ax.barh(labels, fetch, color="tab:blue", label="S3 fetch (ranged GETs + part sha256 + parse)")
     ax.barh(labels, insert, left=fetch, color="tab:orange", label="host-cache insert (pack)")
+    ax.scatter(whole, labels, color="black", marker="|", s=300, label="fetch, whole-file sha256")
     ax.axvline(100, color="red", linestyle="--", label="cold-adapter TTFT target 100 ms")
     ax.set_xlabel("ms per adapter (median)")
     ax.set_title(f"S3 (SeaweedFS, loopback) → host, {result['machine']}", fontsize=9)

@@ -7,8 +7,11 @@ MLP, shared experts and all 64 routed experts per expert, bf16) is uploaded once
 alternating, `--repeats` times each:
 
   s3      `inference_svc.adapters.sources.S3Source` → `S3AdapterFetcher`: manifest GET, the
-          weights by parallel ranged GETs (`--part-mib`, `--concurrency`), sha256 check,
-          parse; then insert into a `HostAdapterCache` (pinned when CUDA is there, not here)
+          weights by parallel ranged GETs of the manifest's 8 MiB parts (`--concurrency`),
+          each part's sha256 checked on the thread that fetched it, parse; then insert
+          into a `HostAdapterCache` (pinned when CUDA is there, not here)
+  s3 whole  the same for a record without part digests (a version stored before them):
+          GETs of `--part-mib`, one in-order sha256 of the whole file
   store   `StoreFetchSource`: the store's FetchAdapter stream (gRPC), sha256 check, parse;
           then the same host cache insert
 
@@ -30,10 +33,12 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from adapter_store.client import StoreClient
+from adapter_store.format import CanonicalAdapter
 from bench.serve_setup import now_iso, percentiles_ms, save
 from bench.store_throughput import V2_LITE, v2_lite_peft_folder
 from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig
@@ -78,6 +83,18 @@ class EventLoopThread:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+
+
+class WholeFileDigestSource:
+    """`S3Source` for a record without part digests: the whole file's sha256 verifies."""
+
+    tier = "s3"
+
+    def __init__(self, fetcher: S3AdapterFetcher) -> None:
+        self._source = S3Source(fetcher)
+
+    def fetch(self, adapter: AdapterBinding) -> CanonicalAdapter:
+        return self._source.fetch(replace(adapter, parts_sha256=""))
 
 
 async def open_client(address: str) -> StoreClient:
@@ -166,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             upload_s = time.perf_counter() - started
             adapter = AdapterBinding(
                 record.tenant, record.name, record.version, record.rank, record.sha256,
-                record.size_bytes, record.base_model,
+                record.size_bytes, record.base_model, record.parts_sha256,
             )  # fmt: skip
             sources: dict[str, AdapterSource] = {}
             for concurrency in args.concurrency:
@@ -180,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 fetchers.append(fetcher)
                 sources[f"s3 x{concurrency}"] = S3Source(fetcher)
+                sources[f"s3 x{concurrency} whole"] = WholeFileDigestSource(fetcher)
             sources["store FetchAdapter"] = StoreFetchSource(client, store.address, loop.loop)
             seconds = time_fetches(sources, adapter, repeats)
         finally:

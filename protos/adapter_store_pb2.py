@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/adapter_store.proto\x12\x0cloraserve.v1\"\x85\x01\n\tBaseModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x14\n\x0clora_modules\x18\x04 \x03(\t\x12\x12\n\ncreated_at\x18\x05 \x01(\t\x12\x15\n\rconfig_sha256\x18\x06 \x01(\t\"=\n\x18RegisterBaseModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\"#\n\x13GetBaseModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15ListBaseModelsRequest\"F\n\x16ListBaseModelsResponse\x12,\n\x0b\x62\x61se_models\x18\x01 \x03(\x0b\x32\x17.loraserve.v1.BaseModel\"\xbb\x01\n\x0cUploadHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x36\n\x06labels\x18\x04 \x03(\x0b\x32&.loraserve.v1.UploadHeader.LabelsEntry\x12\r\n\x05\x64type\x18\x05 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"+\n\tFileChunk\x12\x10\n\x08\x66ilename\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"v\n\x14UploadAdapterRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.loraserve.v1.UploadHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.loraserve.v1.FileChunkH\x00\x42\x06\n\x04item\"*\n\nModuleRank\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"\xa4\x03\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x03\x12\x12\n\ncreated_at\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\t \x01(\t\x12\x31\n\x06labels\x18\n \x03(\x0b\x32!.loraserve.v1.Adapter.LabelsEntry\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x12\n\nmoe_layout\x18\r \x01(\t\x12.\n\x0cmodule_ranks\x18\x0e \x03(\x0b\x32\x18.loraserve.v1.ModuleRank\x12\x16\n\x0estorage_prefix\x18\x0f \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x10 \x01(\x05\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\" \n\x11GetAdapterRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\"\xd1\x01\n\x13ListAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12;\n\x05label\x18\x04 \x03(\x0b\x32,.loraserve.v1.ListAdaptersRequest.LabelEntry\x12\x14\n\x0c\x61ll_versions\x18\x05 \x01(\x08\x1a,\n\nLabelEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"X\n\x14ListAdaptersResponse\x12\'\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x15.loraserve.v1.Adapter\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"#\n\x14\x44\x65leteAdapterRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\")\n\x15\x44\x65leteAdapterResponse\x12\x10\n\x08versions\x18\x01 \x03(\x03\"6\n\x13\x46\x65tchAdapterRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x12\n\nchunk_size\x18\x02 \x01(\x05\"\x7f\n\x0c\x41\x64\x61pterChunk\x12&\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x15.loraserve.v1.Adapter\x12\x15\n\rmanifest_json\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x12\n\ntotal_size\x18\x05 \x01(\x03\"\x0f\n\rWhoAmIRequest\" \n\x0eWhoAmIResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t2\xe8\x05\n\x0c\x41\x64\x61pterStore\x12T\n\x11RegisterBaseModel\x12&.loraserve.v1.RegisterBaseModelRequest\x1a\x17.loraserve.v1.BaseModel\x12J\n\x0cGetBaseModel\x12!.loraserve.v1.GetBaseModelRequest\x1a\x17.loraserve.v1.BaseModel\x12[\n\x0eListBaseModels\x12#.loraserve.v1.ListBaseModelsRequest\x1a$.loraserve.v1.ListBaseModelsResponse\x12L\n\rUploadAdapter\x12\".loraserve.v1.UploadAdapterRequest\x1a\x15.loraserve.v1.Adapter(\x01\x12\x44\n\nGetAdapter\x12\x1f.loraserve.v1.GetAdapterRequest\x1a\x15.loraserve.v1.Adapter\x12U\n\x0cListAdapters\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12X\n\rDeleteAdapter\x12\".loraserve.v1.DeleteAdapterRequest\x1a#.loraserve.v1.DeleteAdapterResponse\x12O\n\x0c\x46\x65tchAdapter\x12!.loraserve.v1.FetchAdapterRequest\x1a\x1a.loraserve.v1.AdapterChunk0\x01\x12\x43\n\x06WhoAmI\x12\x1b.loraserve.v1.WhoAmIRequest\x1a\x1c.loraserve.v1.WhoAmIResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/adapter_store.proto\x12\x0cloraserve.v1\"\x85\x01\n\tBaseModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x14\n\x0clora_modules\x18\x04 \x03(\t\x12\x12\n\ncreated_at\x18\x05 \x01(\t\x12\x15\n\rconfig_sha256\x18\x06 \x01(\t\"=\n\x18RegisterBaseModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\"#\n\x13GetBaseModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15ListBaseModelsRequest\"F\n\x16ListBaseModelsResponse\x12,\n\x0b\x62\x61se_models\x18\x01 \x03(\x0b\x32\x17.loraserve.v1.BaseModel\"\xbb\x01\n\x0cUploadHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x36\n\x06labels\x18\x04 \x03(\x0b\x32&.loraserve.v1.UploadHeader.LabelsEntry\x12\r\n\x05\x64type\x18\x05 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"+\n\tFileChunk\x12\x10\n\x08\x66ilename\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"v\n\x14UploadAdapterRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.loraserve.v1.UploadHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.loraserve.v1.FileChunkH\x00\x42\x06\n\x04item\"*\n\nModuleRank\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"\xba\x03\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x03\x12\x12\n\ncreated_at\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\t \x01(\t\x12\x31\n\x06labels\x18\n \x03(\x0b\x32!.loraserve.v1.Adapter.LabelsEntry\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x12\n\nmoe_layout\x18\r \x01(\t\x12.\n\x0cmodule_ranks\x18\x0e \x03(\x0b\x32\x18.loraserve.v1.ModuleRank\x12\x16\n\x0estorage_prefix\x18\x0f \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x10 \x01(\x05\x12\x14\n\x0cparts_sha256\x18\x11 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\" \n\x11GetAdapterRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\"\xd1\x01\n\x13ListAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12;\n\x05label\x18\x04 \x03(\x0b\x32,.loraserve.v1.ListAdaptersRequest.LabelEntry\x12\x14\n\x0c\x61ll_versions\x18\x05 \x01(\x08\x1a,\n\nLabelEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"X\n\x14ListAdaptersResponse\x12\'\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x15.loraserve.v1.Adapter\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"#\n\x14\x44\x65leteAdapterRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\")\n\x15\x44\x65leteAdapterResponse\x12\x10\n\x08versions\x18\x01 \x03(\x03\"6\n\x13\x46\x65tchAdapterRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x12\n\nchunk_size\x18\x02 \x01(\x05\"\x7f\n\x0c\x41\x64\x61pterChunk\x12&\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x15.loraserve.v1.Adapter\x12\x15\n\rmanifest_json\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x12\n\ntotal_size\x18\x05 \x01(\x03\"\x0f\n\rWhoAmIRequest\" \n\x0eWhoAmIResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t2\xe8\x05\n\x0c\x41\x64\x61pterStore\x12T\n\x11RegisterBaseModel\x12&.loraserve.v1.RegisterBaseModelRequest\x1a\x17.loraserve.v1.BaseModel\x12J\n\x0cGetBaseModel\x12!.loraserve.v1.GetBaseModelRequest\x1a\x17.loraserve.v1.BaseModel\x12[\n\x0eListBaseModels\x12#.loraserve.v1.ListBaseModelsRequest\x1a$.loraserve.v1.ListBaseModelsResponse\x12L\n\rUploadAdapter\x12\".loraserve.v1.UploadAdapterRequest\x1a\x15.loraserve.v1.Adapter(\x01\x12\x44\n\nGetAdapter\x12\x1f.loraserve.v1.GetAdapterRequest\x1a\x15.loraserve.v1.Adapter\x12U\n\x0cListAdapters\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12X\n\rDeleteAdapter\x12\".loraserve.v1.DeleteAdapterRequest\x1a#.loraserve.v1.DeleteAdapterResponse\x12O\n\x0c\x46\x65tchAdapter\x12!.loraserve.v1.FetchAdapterRequest\x1a\x1a.loraserve.v1.AdapterChunk0\x01\x12\x43\n\x06WhoAmI\x12\x1b.loraserve.v1.WhoAmIRequest\x1a\x1c.loraserve.v1.WhoAmIResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -58,29 +58,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODULERANK']._serialized_start=732
   _globals['_MODULERANK']._serialized_end=774
   _globals['_ADAPTER']._serialized_start=777
-  _globals['_ADAPTER']._serialized_end=1197
+  _globals['_ADAPTER']._serialized_end=1219
   _globals['_ADAPTER_LABELSENTRY']._serialized_start=520
   _globals['_ADAPTER_LABELSENTRY']._serialized_end=565
-  _globals['_GETADAPTERREQUEST']._serialized_start=1199
-  _globals['_GETADAPTERREQUEST']._serialized_end=1231
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1234
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1443
-  _globals['_LISTADAPTERSREQUEST_LABELENTRY']._serialized_start=1399
-  _globals['_LISTADAPTERSREQUEST_LABELENTRY']._serialized_end=1443
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1445
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1533
-  _globals['_DELETEADAPTERREQUEST']._serialized_start=1535
-  _globals['_DELETEADAPTERREQUEST']._serialized_end=1570
-  _globals['_DELETEADAPTERRESPONSE']._serialized_start=1572
-  _globals['_DELETEADAPTERRESPONSE']._serialized_end=1613
-  _globals['_FETCHADAPTERREQUEST']._serialized_start=1615
-  _globals['_FETCHADAPTERREQUEST']._serialized_end=1669
-  _globals['_ADAPTERCHUNK']._serialized_start=1671
-  _globals['_ADAPTERCHUNK']._serialized_end=1798
-  _globals['_WHOAMIREQUEST']._serialized_start=1800
-  _globals['_WHOAMIREQUEST']._serialized_end=1815
-  _globals['_WHOAMIRESPONSE']._serialized_start=1817
-  _globals['_WHOAMIRESPONSE']._serialized_end=1849
-  _globals['_ADAPTERSTORE']._serialized_start=1852
-  _globals['_ADAPTERSTORE']._serialized_end=2596
+  _globals['_GETADAPTERREQUEST']._serialized_start=1221
+  _globals['_GETADAPTERREQUEST']._serialized_end=1253
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1256
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1465
+  _globals['_LISTADAPTERSREQUEST_LABELENTRY']._serialized_start=1421
+  _globals['_LISTADAPTERSREQUEST_LABELENTRY']._serialized_end=1465
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1467
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1555
+  _globals['_DELETEADAPTERREQUEST']._serialized_start=1557
+  _globals['_DELETEADAPTERREQUEST']._serialized_end=1592
+  _globals['_DELETEADAPTERRESPONSE']._serialized_start=1594
+  _globals['_DELETEADAPTERRESPONSE']._serialized_end=1635
+  _globals['_FETCHADAPTERREQUEST']._serialized_start=1637
+  _globals['_FETCHADAPTERREQUEST']._serialized_end=1691
+  _globals['_ADAPTERCHUNK']._serialized_start=1693
+  _globals['_ADAPTERCHUNK']._serialized_end=1820
+  _globals['_WHOAMIREQUEST']._serialized_start=1822
+  _globals['_WHOAMIREQUEST']._serialized_end=1837
+  _globals['_WHOAMIRESPONSE']._serialized_start=1839
+  _globals['_WHOAMIRESPONSE']._serialized_end=1871
+  _globals['_ADAPTERSTORE']._serialized_start=1874
+  _globals['_ADAPTERSTORE']._serialized_end=2618
 # @@protoc_insertion_point(module_scope)

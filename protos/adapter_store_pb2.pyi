@@ -92,7 +92,7 @@ class ModuleRank(_message.Message):
     def __init__(self, module: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "version", "base_model", "rank", "target_modules", "sha256", "size_bytes", "created_at", "description", "labels", "tenant", "dtype", "moe_layout", "module_ranks", "storage_prefix", "format_version")
+    __slots__ = ("name", "version", "base_model", "rank", "target_modules", "sha256", "size_bytes", "created_at", "description", "labels", "tenant", "dtype", "moe_layout", "module_ranks", "storage_prefix", "format_version", "parts_sha256")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class Adapter(_message.Message):
     MODULE_RANKS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     base_model: str
@@ -132,7 +133,8 @@ class Adapter(_message.Message):
     module_ranks: _containers.RepeatedCompositeFieldContainer[ModuleRank]
     storage_prefix: str
     format_version: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_at: _Optional[str] = ..., description: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., dtype: _Optional[str] = ..., moe_layout: _Optional[str] = ..., module_ranks: _Optional[_Iterable[_Union[ModuleRank, _Mapping]]] = ..., storage_prefix: _Optional[str] = ..., format_version: _Optional[int] = ...) -> None: ...
+    parts_sha256: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_at: _Optional[str] = ..., description: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., dtype: _Optional[str] = ..., moe_layout: _Optional[str] = ..., module_ranks: _Optional[_Iterable[_Union[ModuleRank, _Mapping]]] = ..., storage_prefix: _Optional[str] = ..., format_version: _Optional[int] = ..., parts_sha256: _Optional[str] = ...) -> None: ...
 
 class GetAdapterRequest(_message.Message):
     __slots__ = ("ref",)

@@ -134,6 +134,7 @@ class AdapterResolver:
             sha256=record.sha256,
             size_bytes=int(record.size_bytes),
             base_model=record.base_model,
+            parts_sha256=record.parts_sha256,
             caller_key=caller.api_key,
         )
 

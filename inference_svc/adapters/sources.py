@@ -35,7 +35,7 @@ class S3Source:
 
     def fetch(self, adapter: AdapterBinding) -> CanonicalAdapter:
         return self._fetcher.fetch(
-            adapter.tenant, adapter.name, adapter.version, adapter.sha256
+            adapter.tenant, adapter.name, adapter.version, adapter.sha256, adapter.parts_sha256
         ).adapter
 
 

@@ -76,6 +76,7 @@ class AdapterBinding:
     sha256: str
     size_bytes: int
     base_model: str
+    parts_sha256: str = ""  # the record's binding of its per-part digests ("" if none)
     # The API key of the caller who resolved it, forwarded when the weights are fetched
     # through the store (not part of the adapter's identity).
     caller_key: str = field(default="", compare=False, repr=False)

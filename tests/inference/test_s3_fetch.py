@@ -1,8 +1,11 @@
-"""S3 fetch against a real SeaweedFS: ranged parallel GETs, sha256 checks, error mapping."""
+"""S3 fetch against a real SeaweedFS: ranged parallel GETs, per-part and whole-file sha256
+checks, error mapping."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 
 import pytest
 import torch
@@ -26,53 +29,167 @@ def s3(s3_server, s3_bucket):
     return client
 
 
+PART = 16 * 1024  # the manifest's digest parts: several of them in the tiny adapter
+
+
 @pytest.fixture
 def stored(s3, s3_bucket):
-    """A rank-8 adapter of the tiny model written to the store's layout."""
+    """A rank-8 adapter of the tiny model written to the store's layout, parts digested."""
     adapter = random_adapter(tiny_config("v3_q_lora").to_dict(), 8, seed=11)
-    weights, manifest_json = serialize(adapter)
+    weights, manifest_json = serialize(adapter, part_bytes=PART)
     prefix = adapter_prefix(TENANT, NAME, VERSION)
     s3.put_object(Bucket=s3_bucket, Key=prefix + "weights.safetensors", Body=weights)
     s3.put_object(Bucket=s3_bucket, Key=prefix + "manifest.json", Body=manifest_json)
     return adapter, weights
 
 
+@pytest.fixture
+def stored_without_parts(s3, s3_bucket, stored):
+    """The same version as a store from before part digests wrote it."""
+    key = adapter_prefix(TENANT, NAME, VERSION) + "manifest.json"
+    raw = json.loads(s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+    legacy = {k: v for k, v in raw.items() if k not in ("part_bytes", "part_sha256")}
+    s3.put_object(Bucket=s3_bucket, Key=key, Body=json.dumps(legacy).encode())
+    return stored
+
+
 def _fetcher(endpoint: str, bucket: str, **kwargs) -> S3AdapterFetcher:
     return S3AdapterFetcher(S3FetchConfig(bucket=bucket, endpoint_url=endpoint, **kwargs))
 
 
-def test_fetch_with_parallel_ranged_gets(s3_server, s3_bucket, stored) -> None:
-    adapter, weights = stored
-    fetcher = _fetcher(s3_server.endpoint_url, s3_bucket, part_size=16 * 1024, concurrency=4)
-    fetched = asyncio.run(
-        fetcher.fetch_async(TENANT, NAME, VERSION, expected_sha256=adapter.manifest.sha256)
-    )
-    assert fetched.parts == -(-len(weights) // (16 * 1024)) > 4
-    assert fetched.downloads == 1 and fetched.size_bytes == len(weights)
-    assert fetched.adapter.manifest == adapter.manifest
+def _assert_same(fetched, adapter, weights) -> None:
+    assert fetched.refetched_parts == 0 and fetched.size_bytes == len(weights)
+    assert fetched.adapter.manifest.sha256 == adapter.manifest.sha256
     assert fetched.adapter.tensors.keys() == adapter.tensors.keys()
     for name, tensor in adapter.tensors.items():
         assert torch.equal(fetched.adapter.tensors[name], tensor), name
+
+
+def test_fetch_verified_by_parts_the_record_binds(s3_server, s3_bucket, stored) -> None:
+    adapter, weights = stored
+    fetcher = _fetcher(s3_server.endpoint_url, s3_bucket, part_size=4096, concurrency=4)
+    fetched = asyncio.run(
+        fetcher.fetch_async(
+            TENANT,
+            NAME,
+            VERSION,
+            expected_sha256=adapter.manifest.sha256,
+            expected_parts_sha256=adapter.manifest.parts_sha256,
+        )
+    )
+    # The GETs follow the manifest's parts, not the fetcher's part_size.
+    assert fetched.verified_by == "parts" and fetched.parts == -(-len(weights) // PART) > 4
+    assert fetched.adapter.manifest == adapter.manifest
+    _assert_same(fetched, adapter, weights)
     fetcher.close()
 
 
-def test_one_corrupt_byte_is_refused_after_a_retry(s3, s3_server, s3_bucket, stored) -> None:
-    _adapter, weights = stored
+def test_a_record_without_parts_verifies_the_whole_file(s3_server, s3_bucket, stored) -> None:
+    adapter, weights = stored
+    fetcher = _fetcher(s3_server.endpoint_url, s3_bucket, part_size=4096, concurrency=4)
+    fetched = fetcher.fetch(TENANT, NAME, VERSION, expected_sha256=adapter.manifest.sha256)
+    assert fetched.verified_by == "whole" and fetched.parts == -(-len(weights) // 4096)
+    _assert_same(fetched, adapter, weights)
+    fetcher.close()
+
+
+def test_a_manifest_without_parts_verifies_the_whole_file(
+    s3_server, s3_bucket, stored_without_parts
+) -> None:
+    adapter, weights = stored_without_parts
+    fetcher = _fetcher(s3_server.endpoint_url, s3_bucket, part_size=4096)
+    fetched = fetcher.fetch(TENANT, NAME, VERSION)
+    assert fetched.verified_by == "whole" and fetched.adapter.manifest.part_sha256 == []
+    _assert_same(fetched, adapter, weights)
+    fetcher.close()
+
+
+def _corrupt_one_byte(s3, s3_bucket, weights: bytes, offset: int) -> None:
     corrupt = bytearray(weights)
-    corrupt[len(corrupt) // 2] ^= 0x01
+    corrupt[offset] ^= 0x01
     key = adapter_prefix(TENANT, NAME, VERSION) + "weights.safetensors"
     s3.put_object(Bucket=s3_bucket, Key=key, Body=bytes(corrupt))
+
+
+def test_one_corrupt_byte_is_refused_naming_its_part(s3, s3_server, s3_bucket, stored) -> None:
+    adapter, weights = stored
+    offset = 3 * PART + 17
+    _corrupt_one_byte(s3, s3_bucket, weights, offset)
+    fetcher = _fetcher(s3_server.endpoint_url, s3_bucket)
+    parts = -(-len(weights) // PART)
+    expected = rf"bytes {3 * PART}-{4 * PART - 1} \(part 4 of {parts}\) hashed to sha256 "
+    with pytest.raises(FailedPrecondition, match=rf"weights.safetensors is corrupt: {expected}"):
+        fetcher.fetch(TENANT, NAME, VERSION, adapter.manifest.sha256, adapter.manifest.parts_sha256)
+
+
+def test_one_corrupt_byte_is_refused_after_a_whole_retry(
+    s3, s3_server, s3_bucket, stored_without_parts
+) -> None:
+    _adapter, weights = stored_without_parts
+    _corrupt_one_byte(s3, s3_bucket, weights, len(weights) // 2)
     fetcher = _fetcher(s3_server.endpoint_url, s3_bucket, part_size=4096)
     with pytest.raises(FailedPrecondition, match=r"weights.safetensors is corrupt: two downloads"):
         fetcher.fetch(TENANT, NAME, VERSION)
 
 
+class _TornOnce(S3AdapterFetcher):
+    """A flaky network between a healthy S3 and the fetcher: the first GET of one byte
+    range arrives with a flipped byte."""
+
+    def __init__(self, config: S3FetchConfig, torn_range: str) -> None:
+        super().__init__(config)
+        self.torn_range, self.torn = torn_range, 0
+
+    def _get(self, key: str, label: str, byte_range: str | None = None) -> bytes:
+        data = super()._get(key, label, byte_range)
+        if byte_range == self.torn_range and not self.torn:
+            self.torn += 1
+            return data[:-1] + bytes([data[-1] ^ 0x80])
+        return data
+
+
+def test_a_torn_part_is_fetched_again_alone(s3_server, s3_bucket, stored) -> None:
+    adapter, weights = stored
+    config = S3FetchConfig(bucket=s3_bucket, endpoint_url=s3_server.endpoint_url)
+    fetcher = _TornOnce(config, torn_range=f"bytes={2 * PART}-{3 * PART - 1}")
+    fetched = fetcher.fetch(
+        TENANT, NAME, VERSION, adapter.manifest.sha256, adapter.manifest.parts_sha256
+    )
+    assert fetcher.torn == 1 and fetched.refetched_parts == 1 and fetched.verified_by == "parts"
+    for name, tensor in adapter.tensors.items():
+        assert torch.equal(fetched.adapter.tensors[name], tensor), name
+    fetcher.close()
+
+
 def test_truncated_object_is_refused(s3, s3_server, s3_bucket, stored) -> None:
-    _adapter, weights = stored
+    adapter, weights = stored
     key = adapter_prefix(TENANT, NAME, VERSION) + "weights.safetensors"
     s3.put_object(Bucket=s3_bucket, Key=key, Body=weights[:-5000])
     with pytest.raises(FailedPrecondition, match="is corrupt"):
-        _fetcher(s3_server.endpoint_url, s3_bucket, part_size=4096).fetch(TENANT, NAME, VERSION)
+        _fetcher(s3_server.endpoint_url, s3_bucket).fetch(
+            TENANT, NAME, VERSION, adapter.manifest.sha256, adapter.manifest.parts_sha256
+        )
+
+
+def test_rewritten_weights_and_part_list_are_refused(s3, s3_server, s3_bucket, stored) -> None:
+    """Someone rewrites the weights and the manifest's part digests to match them, leaving
+    its whole-file sha256 alone: the record's binding (or, for a record without one, the
+    whole-file digest) refuses them."""
+    adapter, weights = stored
+    forged = bytearray(weights)
+    forged[-1] ^= 0x01
+    prefix = adapter_prefix(TENANT, NAME, VERSION)
+    s3.put_object(Bucket=s3_bucket, Key=prefix + "weights.safetensors", Body=bytes(forged))
+    raw = json.loads(adapter.manifest.to_json())
+    last_part = adapter.manifest.part_range(len(raw["part_sha256"]) - 1)[0]
+    raw["part_sha256"][-1] = hashlib.sha256(bytes(forged[last_part:])).hexdigest()
+    s3.put_object(Bucket=s3_bucket, Key=prefix + "manifest.json", Body=json.dumps(raw).encode())
+    fetcher = _fetcher(s3_server.endpoint_url, s3_bucket)
+    with pytest.raises(FailedPrecondition, match="lists part digests that hash to [0-9a-f]{64}, "):
+        fetcher.fetch(TENANT, NAME, VERSION, adapter.manifest.sha256, adapter.manifest.parts_sha256)
+    with pytest.raises(FailedPrecondition, match="is corrupt: two downloads"):
+        fetcher.fetch(TENANT, NAME, VERSION, adapter.manifest.sha256)
+    fetcher.close()
 
 
 def test_manifest_disagreeing_with_the_store_record(s3_server, s3_bucket, stored) -> None:

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from adapter_store.client import StoreClient
 from adapter_store.errors import DataLoss, FailedPrecondition
+from adapter_store.format import Manifest
 from adapter_store.names import check_name
-from adapter_store.records import WEIGHTS_FILE
+from adapter_store.records import MANIFEST_FILE, WEIGHTS_FILE
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher, S3FetchConfig
 from protos import adapter_store_pb2 as pb
 from tests.fixtures.services import REPO_ROOT
@@ -98,6 +99,10 @@ def test_malicious_pickle_upload_is_refused_and_never_runs(
 
 def test_downloads_are_verified_before_use(store, stub, registered, peft_dirs, s3_server) -> None:
     adapter = stub.UploadAdapter(upload_requests(peft_dirs[0], "victim"), timeout=60)
+    manifest = Manifest.from_json(
+        store.run(store.objects.get(adapter.storage_prefix + MANIFEST_FILE))
+    )
+    assert manifest.part_sha256 and adapter.parts_sha256 == manifest.parts_sha256
     key = adapter.storage_prefix + WEIGHTS_FILE
     weights = bytearray(store.run(store.objects.get(key)))
     weights[-1] ^= 0xFF  # same size, one bit-flipped byte: only the digest can tell
@@ -113,7 +118,9 @@ def test_downloads_are_verified_before_use(store, stub, registered, peft_dirs, s
         S3FetchConfig(bucket=store.objects.config.bucket, endpoint_url=s3_server.endpoint_url)
     )
     try:
-        with pytest.raises(FailedPrecondition, match="corrupt"):
+        with pytest.raises(FailedPrecondition, match=r"corrupt: bytes \d+-\d+ \(part"):
+            fetcher.fetch("default", "victim", 1, adapter.sha256, adapter.parts_sha256)
+        with pytest.raises(FailedPrecondition, match="corrupt: two downloads"):
             fetcher.fetch("default", "victim", 1, expected_sha256=adapter.sha256)
     finally:
         fetcher.close()
