@@ -114,6 +114,33 @@ def test_flushed_redis_is_restored_by_reindex(
         assert stub.GetBaseModel(pb.GetBaseModelRequest(name=BASE_MODEL)).name == BASE_MODEL
 
 
+def test_reindex_refuses_a_version_whose_part_digests_left_its_record(
+    manual_store, redis_server, s3_server, s3_bucket, peft_dirs, tiny_config_json
+) -> None:
+    """A manifest whose part digests no longer hash to the record's parts_sha256 (rewritten
+    in S3) is reported corrupt by reindex and not indexed: a replica would refuse it."""
+    with grpc.insecure_channel(manual_store.address) as channel:
+        stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+        stub.RegisterBaseModel(
+            pb.RegisterBaseModelRequest(name=BASE_MODEL, config_json=tiny_config_json)
+        )
+        kept = stub.UploadAdapter(upload_requests(peft_dirs[0], "kept"), timeout=60)
+        tampered = stub.UploadAdapter(upload_requests(peft_dirs[1], "tampered"), timeout=60)
+        assert kept.parts_sha256 and tampered.parts_sha256
+        key = tampered.storage_prefix + MANIFEST_FILE
+        manifest = json.loads(manual_store.run(manual_store.objects.get(key)))
+        manifest["part_sha256"][0] = "0" * 64  # still a well-formed manifest
+        manual_store.run(manual_store.objects.put(key, json.dumps(manifest).encode()))
+
+        redis_server.flushall()
+        code, report = _store_command(
+            "reindex", redis_server.url, s3_server.endpoint_url, s3_bucket
+        )
+        assert code == 0, report
+        assert (report["adapters"], report["corrupt"]) == (1, [tampered.storage_prefix])
+        assert [name for name, _, _ in _listed(stub)] == ["kept"]
+
+
 def test_crash_before_redis_commit_leaves_only_garbage_that_gc_removes(
     store, stub, registered, peft_dirs, redis_url, s3_server, s3_bucket, monkeypatch
 ) -> None:
