@@ -74,9 +74,10 @@ def test_inconsistent_parts_are_refused(serialized, change: dict, message: str) 
 def test_a_part_digest_that_is_not_hex_is_refused(serialized) -> None:
     _weights, raw = serialized
     digests = list(raw["part_sha256"])
-    digests[1] = "Z" * 64
-    with pytest.raises(InvalidArgument, match=r"part_sha256\[1\] is not 64 hex digits"):
-        Manifest.from_json(json.dumps({**raw, "part_sha256": digests}).encode())
+    for bad in ("Z" * 64, digests[1] + "\n", digests[1][:63]):
+        digests[1] = bad
+        with pytest.raises(InvalidArgument, match=r"part_sha256\[1\] is not 64 hex digits"):
+            Manifest.from_json(json.dumps({**raw, "part_sha256": digests}).encode())
 
 
 def test_serialize_is_unchanged_by_the_part_size() -> None:
