@@ -196,7 +196,9 @@ def test_serve_cold_path_smoke(tmp_path: Path) -> None:
     out = tmp_path / "cold.json"
     serve_cold_path.main(["--out", str(out), "--smoke"])
     results = json.loads(out.read_text())
-    assert set(results["stats"]) == {"s3 x8", "s3 x16", "store FetchAdapter"}
+    assert set(results["stats"]) == {
+        "s3 x8", "s3 x8 whole", "s3 x16", "s3 x16 whole", "store FetchAdapter",
+    }  # fmt: skip
     for stats in results["stats"].values():
         assert stats["n"] == 2 and stats["p50_ms"] > 0
     table = summary.render(summary.lines(tmp_path, out, tmp_path / "no_floor.json"))

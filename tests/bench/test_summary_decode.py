@@ -40,3 +40,21 @@ def test_decode_overhead_missing_is_shown_as_not_run(tmp_path: Path) -> None:
     lines = _by_target(tmp_path)
     assert lines["MoE LoRA cost ÷ base fused MoE, B=64, 8 adapters"].measured == "not run"
     assert lines["decode tok/s with 32 r16 adapters ÷ no LoRA, B=256"].measured == "not run"
+
+
+def test_cold_ttft_estimate_takes_the_by_parts_fetch_not_the_legacy_one(tmp_path: Path) -> None:
+    """The S3 part of the estimate is the replica's path (parts verified as they arrive);
+    the "… whole" rows (a record without part digests) are shown but not summed."""
+    stats = {"n": 2, "p99_ms": 0.0}
+    cold = tmp_path / "cold.json"
+    cold.write_text(json.dumps({"stats": {
+        "s3 x8": {**stats, "p50_ms": 500.0},
+        "s3 x8 whole": {**stats, "p50_ms": 400.0},
+        "store FetchAdapter": {**stats, "p50_ms": 300.0},
+    }}))  # fmt: skip
+    online = {"cold": {"ttft_added": {"host-cold": {"p50_ms": 5.0}}}}
+    (tmp_path / "serve_online.json").write_text(json.dumps(online))
+    lines = {line.target: line for line in summary.cold_path_lines(cold, tmp_path)}
+    estimate = lines["TTFT added by a cold adapter from S3, p50 estimate (ms)"]
+    assert estimate.measured == "505" and estimate.met is False
+    assert "s3 x8 whole → host p50 / p99 (ms, CPU machine)" in lines
