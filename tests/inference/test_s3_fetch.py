@@ -3,7 +3,6 @@ checks, error mapping."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 
@@ -68,14 +67,12 @@ def _assert_same(fetched, adapter, weights) -> None:
 def test_fetch_verified_by_parts_the_record_binds(s3_server, s3_bucket, stored) -> None:
     adapter, weights = stored
     fetcher = _fetcher(s3_server.endpoint_url, s3_bucket, part_size=4096, concurrency=4)
-    fetched = asyncio.run(
-        fetcher.fetch_async(
-            TENANT,
-            NAME,
-            VERSION,
-            expected_sha256=adapter.manifest.sha256,
-            expected_parts_sha256=adapter.manifest.parts_sha256,
-        )
+    fetched = fetcher.fetch(
+        TENANT,
+        NAME,
+        VERSION,
+        expected_sha256=adapter.manifest.sha256,
+        expected_parts_sha256=adapter.manifest.parts_sha256,
     )
     # The GETs follow the manifest's parts, not the fetcher's part_size.
     assert fetched.verified_by == "parts" and fetched.parts == -(-len(weights) // PART) > 4
