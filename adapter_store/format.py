@@ -264,21 +264,25 @@ def parts_digest(part_bytes: int, part_sha256: list[str]) -> str:
     if not part_sha256:
         return ""
     listing = json.dumps([part_bytes, part_sha256], separators=(",", ":"))
-    return hashlib.sha256(listing.encode()).hexdigest()
+    return sha256_hex(listing.encode())
 
 
-def _sha256_hex(data: memoryview) -> str:
+def sha256_hex(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def part_views(data: bytes | memoryview, part_bytes: int) -> list[memoryview]:
+    """`data` cut into parts of `part_bytes` (the last one shorter), without copying."""
+    view = memoryview(data)
+    return [view[start : start + part_bytes] for start in range(0, len(view), part_bytes)]
 
 
 def weights_digests(weights: bytes, part_bytes: int) -> tuple[str, list[str]]:
     """(sha256 of the whole, sha256 of each `part_bytes` part), hashed on several threads
     (hashlib releases the GIL)."""
-    view = memoryview(weights)
-    parts = [view[start : start + part_bytes] for start in range(0, len(view), part_bytes)]
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="digest") as pool:
-        whole = pool.submit(_sha256_hex, view)
-        return whole.result(), list(pool.map(_sha256_hex, parts))
+        whole = pool.submit(sha256_hex, weights)
+        return whole.result(), list(pool.map(sha256_hex, part_views(weights, part_bytes)))
 
 
 def serialize(
@@ -304,7 +308,7 @@ def deserialize(weights: bytes, manifest_json: bytes, *, verify: bool = True) ->
     """Read a canonical adapter; raises InvalidArgument naming what is wrong."""
     manifest = Manifest.from_json(manifest_json)
     if verify:
-        digest = hashlib.sha256(weights).hexdigest()
+        digest = sha256_hex(weights)
         if digest != manifest.sha256 or len(weights) != manifest.size_bytes:
             raise InvalidArgument(
                 f"weights.safetensors does not match its manifest: sha256 {digest} "

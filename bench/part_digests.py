@@ -10,7 +10,6 @@ of the fetch, on the CPU machine and on the GPU host alike.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import platform
 import statistics
@@ -20,32 +19,28 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from adapter_store.format import DIGEST_PART_BYTES
+from adapter_store.format import DIGEST_PART_BYTES, part_views, sha256_hex
 from bench.serve_setup import now_iso, save
 
 MIB = 1 << 20
-
-
-def _sha256_hex(data: memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def time_whole(view: memoryview, repeats: int) -> list[float]:
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
-        _sha256_hex(view)
+        sha256_hex(view)
         seconds.append(time.perf_counter() - started)
     return seconds
 
 
 def time_parts(view: memoryview, threads: int, repeats: int) -> list[float]:
-    parts = [view[i : i + DIGEST_PART_BYTES] for i in range(0, len(view), DIGEST_PART_BYTES)]
+    parts = part_views(view, DIGEST_PART_BYTES)
     seconds = []
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
             started = time.perf_counter()
-            list(pool.map(_sha256_hex, parts))
+            list(pool.map(sha256_hex, parts))
             seconds.append(time.perf_counter() - started)
     return seconds
 

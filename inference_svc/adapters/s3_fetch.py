@@ -28,7 +28,6 @@ boto3 is imported when a fetcher is built, not at module import (the GPU image l
 
 from __future__ import annotations
 
-import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from typing import Any
 
 from adapter_store.byte_pieces import BytePieces, HashedPieces
 from adapter_store.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from adapter_store.format import CanonicalAdapter, Manifest, deserialize_pieces
+from adapter_store.format import CanonicalAdapter, Manifest, deserialize_pieces, sha256_hex
 
 MIB = 1 << 20
 
@@ -162,7 +161,7 @@ class S3AdapterFetcher:
             expected = manifest.part_sha256[index]
             for refetches in (0, 1):
                 data = self._get(key, label, byte_range=f"bytes={start}-{end - 1}")[: end - start]
-                digest = hashlib.sha256(data).hexdigest()  # releases the GIL: parts in parallel
+                digest = sha256_hex(data)  # releases the GIL: parts in parallel
                 if digest == expected and len(data) == end - start:
                     return data, refetches
             raise FailedPrecondition(
