@@ -7,6 +7,8 @@ adapter that touches every page of two fresh allocations of the whole size, and 
 faults cost more than the download (S3 → host on the 2-core machine: ~0.3 s to allocate
 and zero the buffer, 0.65-1.1 s for the copy, against 0.6 s of ranged GETs). Pieces of a few
 MB reuse freed heap memory, and each piece is hashed while later ones are still arriving.
+The S3 fetcher goes one step further: its ranged GETs land in a buffer it reuses across
+fetches (inference_svc.adapters.download_buffers), handed here as one piece.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ class BytePieces:
     appends it: `adapter_store.format.Manifest.part_sha256`)."""
 
     def __init__(self) -> None:
-        self._pieces: list[bytes] = []
+        self._pieces: list[bytes | memoryview] = []
         self._starts: list[int] = []  # each piece's offset in the whole
         self.size = 0
 
-    def append(self, piece: bytes) -> None:
+    def append(self, piece: bytes | memoryview) -> None:
         self._pieces.append(piece)
         self._starts.append(self.size)
         self.size += len(piece)
@@ -56,7 +58,7 @@ class HashedPieces(BytePieces):
         super().__init__()
         self._sha256 = hashlib.sha256()
 
-    def append(self, piece: bytes) -> None:
+    def append(self, piece: bytes | memoryview) -> None:
         self._sha256.update(piece)  # releases the GIL for large pieces
         super().append(piece)
 

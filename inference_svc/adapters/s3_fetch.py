@@ -11,6 +11,9 @@ it) and the downloaded bytes must hash to them, one of two ways:
   the whole file on one core (553 MiB: 451 ms on the H200 host, against 37 ms in parts on
   its 16 cores; on the 2-core CI machine, where the client and SeaweedFS already fill both
   cores, by parts is 5-12 % faster).
+Every GET reads straight into its place in one download buffer that the fetcher reuses
+across fetches (inference_svc.adapters.download_buffers says why); the parse copies the
+tensors out before the buffer goes back.
 
 Errors, decided here:
 - a digest mismatch is retried once (a torn read or a flaky proxy): the part, or the whole
@@ -29,13 +32,16 @@ boto3 is imported when a fetcher is built, not at module import (the GPU image l
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from adapter_store.byte_pieces import BytePieces, HashedPieces
 from adapter_store.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from adapter_store.format import CanonicalAdapter, Manifest, deserialize_pieces, sha256_hex
+from inference_svc.adapters.download_buffers import DownloadBuffers
 
 MIB = 1 << 20
 
@@ -54,6 +60,8 @@ class S3FetchConfig:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 30.0
     max_attempts: int = 2  # botocore's own retries per request (connection errors, 5xx)
+    # Download buffers kept between fetches (inference_svc.adapters.download_buffers).
+    idle_buffer_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         if not self.bucket:
@@ -65,6 +73,8 @@ class S3FetchConfig:
             )
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.idle_buffer_bytes < 0:
+            raise ValueError(f"idle_buffer_bytes must be >= 0, got {self.idle_buffer_bytes}")
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,7 @@ class S3AdapterFetcher:
             ),
         )
         self._parts = ThreadPoolExecutor(config.concurrency, thread_name_prefix="s3-part")
+        self.buffers = DownloadBuffers(config.idle_buffer_bytes)
 
     def close(self) -> None:
         self._parts.shutdown(wait=False, cancel_futures=True)
@@ -134,58 +145,63 @@ class S3AdapterFetcher:
                 f"store's record says {expected_sha256}"
             )
         weights_key = prefix + "weights.safetensors"
-        if _parts_bound(manifest, expected_sha256, expected_parts_sha256, label):
-            weights, refetched = self._download_by_parts(weights_key, manifest, label)
-            parts, verified_by = len(manifest.part_sha256), "parts"
-        else:
-            weights, refetched = self._download_whole(weights_key, manifest, label)
-            parts, verified_by = max(1, -(-manifest.size_bytes // self.config.part_size)), "whole"
-        try:
-            adapter = deserialize_pieces(weights, manifest)  # verified above
-        except InvalidArgument as exc:
-            raise FailedPrecondition(f"{label}: stored weights do not parse: {exc}") from None
+        # The weights land in a reused buffer (inference_svc.adapters.download_buffers) and
+        # are parsed out of it into tensors of their own before it is handed back.
+        with self.buffers.lease(manifest.size_bytes) as weights:
+            if _parts_bound(manifest, expected_sha256, expected_parts_sha256, label):
+                refetched = self._download_by_parts(weights_key, manifest, label, weights)
+                parts, verified_by = len(manifest.part_sha256), "parts"
+            else:
+                refetched = self._download_whole(weights_key, manifest, label, weights)
+                parts = max(1, -(-manifest.size_bytes // self.config.part_size))
+                verified_by = "whole"
+            pieces = BytePieces()
+            pieces.append(weights)
+            try:
+                adapter = deserialize_pieces(pieces, manifest)  # verified above
+            except InvalidArgument as exc:
+                raise FailedPrecondition(f"{label}: stored weights do not parse: {exc}") from None
         return FetchedAdapter(
-            adapter, weights.size, parts, verified_by, refetched, time.perf_counter() - started
-        )
+            adapter, manifest.size_bytes, parts, verified_by, refetched,
+            time.perf_counter() - started,
+        )  # fmt: skip
 
     def _download_by_parts(
-        self, key: str, manifest: Manifest, label: str
-    ) -> tuple[BytePieces, int]:
-        """(all parts in order, parts fetched twice): each part hashed against its own digest
-        on the thread that fetched it, and fetched once more if it does not match."""
+        self, key: str, manifest: Manifest, label: str, weights: memoryview
+    ) -> int:
+        """Every part into its place in `weights`; returns the parts fetched twice. Each
+        part is hashed against its own digest on the thread that fetched it, and fetched
+        once more if it does not match."""
         where = f"s3://{self.config.bucket}/{key}"
         count = len(manifest.part_sha256)
 
-        def get_verified(index: int) -> tuple[bytes, int]:
+        def get_verified(index: int) -> int:
             start, end = manifest.part_range(index)
             expected = manifest.part_sha256[index]
             for refetches in (0, 1):
-                data = self._get(key, label, byte_range=f"bytes={start}-{end - 1}")[: end - start]
-                digest = sha256_hex(data)  # releases the GIL: parts in parallel
-                if digest == expected and len(data) == end - start:
-                    return data, refetches
+                got = self._get_into(key, label, start, weights[start:end])
+                digest = sha256_hex(weights[start : start + got])  # releases the GIL
+                if digest == expected and got == end - start:
+                    return refetches
             raise FailedPrecondition(
                 f"{label}: {where} is corrupt: bytes {start}-{end - 1} (part {index + 1} of "
-                f"{count}) hashed to sha256 {digest} ({len(data)} bytes) in two downloads, "
+                f"{count}) hashed to sha256 {digest} ({got} bytes) in two downloads, "
                 f"the manifest says {expected} ({end - start} bytes); re-upload the adapter"
             )
 
-        pieces, refetched = BytePieces(), 0
-        for data, refetches in self._parts.map(get_verified, range(count)):
-            pieces.append(data)
-            refetched += refetches
-        return pieces, refetched
+        return sum(self._parts.map(get_verified, range(count)))
 
-    def _download_whole(self, key: str, manifest: Manifest, label: str) -> tuple[HashedPieces, int]:
-        """(the weights, parts fetched twice) verified by the whole file's digest: a mismatch
-        downloads everything once more."""
+    def _download_whole(self, key: str, manifest: Manifest, label: str, weights: memoryview) -> int:
+        """The weights into `weights`, verified by the whole file's digest; returns the parts
+        fetched twice: a mismatch downloads everything once more."""
         try:
-            return self._download_hashed(key, manifest, label), 0
+            self._download_hashed(key, manifest, label, weights)
+            return 0
         except _DigestMismatch:
             pass
-        parts = -(-manifest.size_bytes // self.config.part_size)
         try:
-            return self._download_hashed(key, manifest, label), parts
+            self._download_hashed(key, manifest, label, weights)
+            return -(-manifest.size_bytes // self.config.part_size)
         except _DigestMismatch as mismatch:
             raise FailedPrecondition(
                 f"{label}: s3://{self.config.bucket}/{key} is corrupt: two "
@@ -194,42 +210,82 @@ class S3AdapterFetcher:
                 "re-upload the adapter"
             ) from None
 
-    def _download_hashed(self, key: str, manifest: Manifest, label: str) -> HashedPieces:
-        """All parts, hashed in order while later ones download and kept apart
-        (adapter_store.byte_pieces says why); raises _DigestMismatch unless they hash right."""
+    def _download_hashed(
+        self, key: str, manifest: Manifest, label: str, weights: memoryview
+    ) -> None:
+        """All parts into `weights`, hashed in order while later ones download; raises
+        _DigestMismatch unless they hash right."""
         size, part = manifest.size_bytes, self.config.part_size
-        ranges = [(start, min(start + part, size)) for start in range(0, size, part)]
+        starts = range(0, size, part)
 
-        def get_part(bounds: tuple[int, int]) -> bytes:
-            start, end = bounds
-            # A server that ignores the range sends more: cut, it hashes wrong anyway.
-            return self._get(key, label, byte_range=f"bytes={start}-{end - 1}")[: end - start]
+        def get_part(start: int) -> memoryview:
+            end = min(start + part, size)
+            return weights[start : start + self._get_into(key, label, start, weights[start:end])]
 
-        pieces = HashedPieces()
-        for data in self._parts.map(get_part, ranges):  # in order, as they complete
-            pieces.append(data)
-        if pieces.size != size or pieces.hexdigest() != manifest.sha256:
-            raise _DigestMismatch(pieces.hexdigest(), pieces.size)
-        return pieces
+        hashed = HashedPieces()
+        for received in self._parts.map(get_part, starts):  # in order, as they complete
+            hashed.append(received)
+        if hashed.size != size or hashed.hexdigest() != manifest.sha256:
+            raise _DigestMismatch(hashed.hexdigest(), hashed.size)
 
-    def _get(self, key: str, label: str, byte_range: str | None = None) -> bytes:
-        from botocore.exceptions import BotoCoreError, ClientError
+    def _get_into(self, key: str, label: str, start: int, dest: memoryview) -> int:
+        """GET bytes start..start+len(dest)-1 of `key` into `dest`; the bytes received (fewer
+        where the object is shorter; a server that ignores the range fills dest from the
+        object's start, which hashes wrong)."""
+        byte_range = f"bytes={start}-{start + len(dest) - 1}"
+        body = self._request(key, label, byte_range)
+        if body is None:
+            return 0
+        received = 0
+        with self._errors(key, label):
+            try:
+                while received < len(dest):
+                    count = body.readinto(dest[received:])
+                    if not count:
+                        break
+                    received += count
+            finally:
+                body.close()
+        return received
+
+    def _get(self, key: str, label: str) -> bytes:
+        body = self._request(key, label)
+        if body is None:
+            return b""
+        with self._errors(key, label):
+            return body.read()
+
+    def _request(self, key: str, label: str, byte_range: str | None = None) -> Any:
+        """The streaming body of a GET (None: the range lies past the object's end, which is
+        shorter than its manifest says: a digest mismatch)."""
+        from botocore.exceptions import ClientError
 
         args: dict[str, Any] = {"Bucket": self.config.bucket, "Key": key}
         if byte_range is not None:
             args["Range"] = byte_range
+        with self._errors(key, label):
+            try:
+                return self._s3.get_object(**args)["Body"]
+            except ClientError as exc:
+                if byte_range is not None and _error_code(exc) == "InvalidRange":
+                    return None
+                raise
+
+    @contextmanager
+    def _errors(self, key: str, label: str) -> Iterator[None]:
+        """botocore's errors of a GET of `key` as the service's: NotFound, Unavailable."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         where = f"s3://{self.config.bucket}/{key}"
         try:
-            return self._s3.get_object(**args)["Body"].read()
+            yield
         except ClientError as exc:
-            error = exc.response.get("Error", {})
-            code = str(error.get("Code", ""))
+            code = _error_code(exc)
             if code in ("NoSuchKey", "404", "NoSuchBucket"):
                 raise NotFound(f"{label}: {where} does not exist") from None
-            if code == "InvalidRange":
-                return b""  # the object is shorter than its manifest says: a digest mismatch
+            message = exc.response.get("Error", {}).get("Message", "")
             raise Unavailable(
-                f"S3 at {self._endpoint} refused GET {where}: {code} {error.get('Message', '')}"
+                f"S3 at {self._endpoint} refused GET {where}: {code} {message}"
             ) from None
         except BotoCoreError as exc:
             raise Unavailable(
@@ -240,6 +296,11 @@ class S3AdapterFetcher:
     @property
     def _endpoint(self) -> str:
         return self.config.endpoint_url or "AWS"
+
+
+def _error_code(exc: Any) -> str:
+    """The S3 error code of a botocore ClientError."""
+    return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 def _parts_bound(

@@ -101,6 +101,40 @@ def test_a_manifest_without_parts_verifies_the_whole_file(
     fetcher.close()
 
 
+def test_fetches_reuse_one_download_buffer_and_keep_tensors_of_their_own(
+    s3, s3_server, s3_bucket, stored
+) -> None:
+    """The second fetch downloads into the buffer the first one used; the first fetch's
+    tensors are copies, so its adapter is untouched by the second download."""
+    adapter, weights = stored
+    other = random_adapter(tiny_config("v3_q_lora").to_dict(), 8, seed=12)
+    other_weights, other_manifest = serialize(other, part_bytes=PART)
+    prefix = adapter_prefix(TENANT, NAME, VERSION + 1)
+    s3.put_object(Bucket=s3_bucket, Key=prefix + "weights.safetensors", Body=other_weights)
+    s3.put_object(Bucket=s3_bucket, Key=prefix + "manifest.json", Body=other_manifest)
+    fetcher = _fetcher(s3_server.endpoint_url, s3_bucket)
+    leased = []
+    acquire = fetcher.buffers.acquire
+    fetcher.buffers.acquire = lambda nbytes: leased.append(acquire(nbytes)) or leased[-1]
+    first = fetcher.fetch(TENANT, NAME, VERSION, adapter.manifest.sha256)
+    second = fetcher.fetch(TENANT, NAME, VERSION + 1, other.manifest.sha256)
+    assert len(leased) == 2 and leased[0] is leased[1]
+    assert fetcher.buffers.idle_bytes == len(leased[0]) >= max(len(weights), len(other_weights))
+    _assert_same(first, adapter, weights)
+    _assert_same(second, other, other_weights)
+    fetcher.close()
+
+
+def test_a_refused_fetch_hands_its_buffer_back(s3, s3_server, s3_bucket, stored) -> None:
+    adapter, weights = stored
+    _corrupt_one_byte(s3, s3_bucket, weights, 5)
+    fetcher = _fetcher(s3_server.endpoint_url, s3_bucket)
+    with pytest.raises(FailedPrecondition, match="is corrupt"):
+        fetcher.fetch(TENANT, NAME, VERSION, adapter.manifest.sha256, adapter.manifest.parts_sha256)
+    assert fetcher.buffers.idle_bytes >= len(weights)
+    fetcher.close()
+
+
 def _corrupt_one_byte(s3, s3_bucket, weights: bytes, offset: int) -> None:
     corrupt = bytearray(weights)
     corrupt[offset] ^= 0x01
@@ -133,22 +167,22 @@ class _TornOnce(S3AdapterFetcher):
     """A flaky network between a healthy S3 and the fetcher: the first GET of one byte
     range arrives with a flipped byte."""
 
-    def __init__(self, config: S3FetchConfig, torn_range: str) -> None:
+    def __init__(self, config: S3FetchConfig, torn_start: int) -> None:
         super().__init__(config)
-        self.torn_range, self.torn = torn_range, 0
+        self.torn_start, self.torn = torn_start, 0
 
-    def _get(self, key: str, label: str, byte_range: str | None = None) -> bytes:
-        data = super()._get(key, label, byte_range)
-        if byte_range == self.torn_range and not self.torn:
+    def _get_into(self, key: str, label: str, start: int, dest: memoryview) -> int:
+        received = super()._get_into(key, label, start, dest)
+        if start == self.torn_start and not self.torn:
             self.torn += 1
-            return data[:-1] + bytes([data[-1] ^ 0x80])
-        return data
+            dest[received - 1] ^= 0x80
+        return received
 
 
 def test_a_torn_part_is_fetched_again_alone(s3_server, s3_bucket, stored) -> None:
     adapter, weights = stored
     config = S3FetchConfig(bucket=s3_bucket, endpoint_url=s3_server.endpoint_url)
-    fetcher = _TornOnce(config, torn_range=f"bytes={2 * PART}-{3 * PART - 1}")
+    fetcher = _TornOnce(config, torn_start=2 * PART)
     fetched = fetcher.fetch(
         TENANT, NAME, VERSION, adapter.manifest.sha256, adapter.manifest.parts_sha256
     )
@@ -215,7 +249,13 @@ def test_s3_down_is_unavailable_naming_s3() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"bucket": ""}, {"bucket": "b", "part_size": 0}, {"bucket": "b", "concurrency": 0}]
+    "kwargs",
+    [
+        {"bucket": ""},
+        {"bucket": "b", "part_size": 0},
+        {"bucket": "b", "concurrency": 0},
+        {"bucket": "b", "idle_buffer_bytes": -1},
+    ],
 )
 def test_config_validation(kwargs: dict) -> None:
     with pytest.raises(ValueError):

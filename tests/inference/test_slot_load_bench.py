@@ -30,3 +30,4 @@ def test_s3_host_load_bench_runs_against_seaweedfs(s3_server) -> None:
     rows = measure(s3_server.endpoint_url, layers=2, repeats=1)
     assert [row["scenario"] for row in rows] == list(SCENARIOS)
     assert all(row["fetch_s_p50"] > 0 and row["insert_s_p50"] > 0 for row in rows)
+    assert all(len(row["insert_first_touch_s"]) == len(row["insert_s"]) == 1 for row in rows)
