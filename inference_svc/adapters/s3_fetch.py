@@ -32,11 +32,11 @@ boto3 is imported when a fetcher is built, not at module import (the GPU image l
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from adapter_store.byte_pieces import BytePieces, HashedPieces
 from adapter_store.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -44,6 +44,7 @@ from adapter_store.format import CanonicalAdapter, Manifest, deserialize_pieces,
 from inference_svc.adapters.download_buffers import DownloadBuffers
 
 MIB = 1 << 20
+T = TypeVar("T")
 
 
 def adapter_prefix(tenant: str, name: str, version: int) -> str:
@@ -189,7 +190,7 @@ class S3AdapterFetcher:
                 f"the manifest says {expected} ({end - start} bytes); re-upload the adapter"
             )
 
-        return sum(self._parts.map(get_verified, range(count)))
+        return sum(self._run_parts(get_verified, range(count)))
 
     def _download_whole(self, key: str, manifest: Manifest, label: str, weights: memoryview) -> int:
         """The weights into `weights`, verified by the whole file's digest; returns the parts
@@ -223,10 +224,25 @@ class S3AdapterFetcher:
             return weights[start : start + self._get_into(key, label, start, weights[start:end])]
 
         hashed = HashedPieces()
-        for received in self._parts.map(get_part, starts):  # in order, as they complete
+        for received in self._run_parts(get_part, starts):  # in order, as they complete
             hashed.append(received)
         if hashed.size != size or hashed.hexdigest() != manifest.sha256:
             raise _DigestMismatch(hashed.hexdigest(), hashed.size)
+
+    def _run_parts(self, work: Callable[[int], T], items: Iterable[int]) -> Iterator[T]:
+        """`work` of every item on the GET threads, the results in order as they complete.
+        However the caller leaves (done, an error, a part refused), no task of these is still
+        running afterwards: the ones not started are cancelled and the running ones waited
+        for, so none writes into a download buffer after it has gone back to the pool (the
+        next fetch may already hold it, and checks its bytes only once)."""
+        futures = [self._parts.submit(work, item) for item in items]
+        try:
+            for future in futures:
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+            wait(futures)
 
     def _get_into(self, key: str, label: str, start: int, dest: memoryview) -> int:
         """GET bytes start..start+len(dest)-1 of `key` into `dest`; the bytes received (fewer
@@ -250,8 +266,6 @@ class S3AdapterFetcher:
 
     def _get(self, key: str, label: str) -> bytes:
         body = self._request(key, label)
-        if body is None:
-            return b""
         with self._errors(key, label):
             return body.read()
 

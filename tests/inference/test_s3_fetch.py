@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -132,6 +134,41 @@ def test_a_refused_fetch_hands_its_buffer_back(s3, s3_server, s3_bucket, stored)
     with pytest.raises(FailedPrecondition, match="is corrupt"):
         fetcher.fetch(TENANT, NAME, VERSION, adapter.manifest.sha256, adapter.manifest.parts_sha256)
     assert fetcher.buffers.idle_bytes >= len(weights)
+    fetcher.close()
+
+
+class _OnePartFailsOneIsSlow(S3AdapterFetcher):
+    """S3 refuses the first part at once while the second part's GET is still writing."""
+
+    def __init__(self, config: S3FetchConfig) -> None:
+        super().__init__(config)
+        self.slow_part_done = threading.Event()
+
+    def _get_into(self, key: str, label: str, start: int, dest: memoryview) -> int:
+        if start == 0:
+            raise Unavailable("S3 refused the first part")
+        received = super()._get_into(key, label, start, dest)
+        if start == PART:
+            time.sleep(0.3)
+            dest[0] ^= 0x01
+            self.slow_part_done.set()
+        return received
+
+
+@pytest.mark.parametrize("by_parts", [True, False], ids=["parts", "whole"])
+def test_a_failed_fetch_returns_after_its_last_write_into_the_buffer(
+    s3_server, s3_bucket, stored, by_parts
+) -> None:
+    """The buffer goes back to the pool for the next fetch, which verifies its bytes once:
+    no part of the failed fetch may still be writing into it then."""
+    adapter, _weights = stored
+    config = S3FetchConfig(bucket=s3_bucket, endpoint_url=s3_server.endpoint_url, part_size=PART)
+    fetcher = _OnePartFailsOneIsSlow(config)
+    parts = adapter.manifest.parts_sha256 if by_parts else ""
+    with pytest.raises(Unavailable, match="refused the first part"):
+        fetcher.fetch(TENANT, NAME, VERSION, adapter.manifest.sha256, parts)
+    assert fetcher.slow_part_done.is_set()
+    assert fetcher.buffers.idle_bytes > 0
     fetcher.close()
 
 
