@@ -323,12 +323,15 @@ def deserialize(weights: bytes, manifest_json: bytes, *, verify: bool = True) ->
     return CanonicalAdapter(manifest=manifest, tensors=tensors)
 
 
-def deserialize_pieces(weights: BytePieces, manifest: Manifest) -> CanonicalAdapter:
+def deserialize_pieces(
+    weights: BytePieces, manifest: Manifest, views_of: torch.Tensor | None = None
+) -> CanonicalAdapter:
     """`deserialize` of weights that arrived in pieces, read without joining them
     (adapter_store.safetensors_pieces); the caller has checked their digest against
-    `manifest` (already parsed: callers check it before reading the weights)."""
+    `manifest` (already parsed: callers check it before reading the weights). `views_of`:
+    the same bytes as one uint8 tensor, which the tensors then view instead of copying."""
     try:
-        tensors = read_safetensors(weights)
+        tensors = read_safetensors(weights, views_of)
     except SafetensorsError as exc:
         raise InvalidArgument(f"weights.safetensors is malformed: {exc}") from None
     validate_tensors(manifest, tensors)

@@ -33,8 +33,12 @@ class SafetensorsError(ValueError):
     pass
 
 
-def read_safetensors(pieces: BytePieces) -> dict[str, torch.Tensor]:
-    """Every tensor of the file in `pieces`, each a fresh CPU tensor of its own."""
+def read_safetensors(
+    pieces: BytePieces, views_of: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the file in `pieces`, each a fresh CPU tensor of its own; or, with
+    `views_of` (uint8 [file bytes], the same bytes in one tensor), views into it wherever a
+    tensor's data is aligned to its dtype (a copy where not)."""
     if sys.byteorder != "little":
         raise SafetensorsError("safetensors data is little-endian; this host is not")
     header, data_start = _header(pieces)
@@ -55,10 +59,14 @@ def read_safetensors(pieces: BytePieces) -> dict[str, torch.Tensor]:
                 f"tensor {name!r} ends at byte {data_start + end}, outside the "
                 f"{pieces.size}-byte file"
             )
-        tensor = torch.empty(shape, dtype=dtype)
-        if end > begin:
-            raw = tensor.view(-1).view(torch.uint8).numpy()  # [bytes] of the tensor
-            pieces.copy_out(data_start + begin, memoryview(raw))
+        first = data_start + begin
+        if views_of is not None and first % dtype.itemsize == 0:
+            tensor = views_of[first : data_start + end].view(dtype).view(shape)
+        else:
+            tensor = torch.empty(shape, dtype=dtype)
+            if end > begin:
+                raw = tensor.view(-1).view(torch.uint8).numpy()  # [bytes] of the tensor
+                pieces.copy_out(first, memoryview(raw))
         tensors[name] = tensor
         end_of_previous = end
     if data_start + end_of_previous != pieces.size:

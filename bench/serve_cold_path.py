@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -42,6 +43,7 @@ from adapter_store.format import CanonicalAdapter
 from bench.serve_setup import now_iso, percentiles_ms, save
 from bench.store_throughput import V2_LITE, v2_lite_peft_folder
 from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig
+from inference_svc.adapters.owned_tensors import OwnedTensorsSource
 from inference_svc.adapters.s3_fetch import MIB, S3AdapterFetcher, S3FetchConfig
 from inference_svc.adapters.sources import AdapterSource, S3Source, StoreFetchSource
 from inference_svc.engine.sequence import AdapterBinding
@@ -85,7 +87,7 @@ class EventLoopThread:
         self._thread.join(5)
 
 
-class WholeFileDigestSource:
+class WholeFileDigestSource(OwnedTensorsSource):
     """`S3Source` for a record without part digests: the whole file's sha256 verifies."""
 
     tier = "s3"
@@ -112,8 +114,9 @@ def time_fetches(
         for name, source in sources.items():
             cache = HostAdapterCache(HostCacheConfig(capacity_bytes=4 * GIB))
             started = time.perf_counter()
-            canonical = source.fetch(adapter)
-            cache.insert(adapter.key, canonical)
+            source.fetch_into(  # as the replica's residency does
+                adapter, functools.partial(cache.insert, adapter.key, borrowed=True)
+            )
             elapsed = time.perf_counter() - started
             cache.release(adapter.key)
             if round_index:

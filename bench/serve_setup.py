@@ -34,6 +34,7 @@ from adapter_store.synthetic import random_adapter
 from bench.fp8_experts import EXPERT_WEIGHTS, fp8_block, quantize_routed_experts
 from bench.lora_decode_overhead import v2_lite_config
 from bench.model_decode import random_model
+from inference_svc.adapters.owned_tensors import OwnedTensorsSource
 from inference_svc.engine.engine import LLMEngine
 from inference_svc.engine.kv_pages import pages_for
 from inference_svc.engine.sequence import (
@@ -365,7 +366,7 @@ class AdapterLibrary:
             cache.discard(self.binding(name).key)
 
 
-class LocalFileSource:
+class LocalFileSource(OwnedTensorsSource):
     """The adapter source of the benchmarks: canonical files in a local folder (read, parsed;
     the sha256 check of a download is timed by `bench.serve_cold_path`)."""
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from adapter_store.format import CanonicalAdapter
 from adapter_store.normalize import normalize_peft
+from inference_svc.adapters.owned_tensors import OwnedTensorsSource
 from inference_svc.engine.sequence import AdapterBinding
 from inference_svc.model.tiny import EMBEDDED_ADAPTERS_DIR
 
 EMBEDDED_ADAPTERS = ("docs-prose", "shouty", "unittest-style")
 
 
-class EmbeddedAdapterSource:
+class EmbeddedAdapterSource(OwnedTensorsSource):
     """`AdapterSource` over the folders in EMBEDDED_ADAPTERS_DIR (a binding's name picks one)."""
 
     tier = "local"

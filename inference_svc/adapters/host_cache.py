@@ -117,12 +117,15 @@ class HostAdapterCache:
             self._entries.move_to_end(key)
             return entry.adapter
 
-    def insert(self, key: HostKey, adapter: CanonicalAdapter) -> CanonicalAdapter:
+    def insert(
+        self, key: HostKey, adapter: CanonicalAdapter, *, borrowed: bool = False
+    ) -> CanonicalAdapter:
         """Store a freshly fetched adapter (converted, packed when the cache has a packing,
         pinned) and return the stored one, marked in use until `release(key)`. Evicts least
         recently used entries that are not in use; raises ResourceExhausted when that cannot
-        make room."""
-        stored, block = self._to_host(key, adapter)
+        make room. `borrowed`: the adapter's tensors are only lent for the call (they view a
+        download buffer that is reused), so what the cache keeps never shares their memory."""
+        stored, block = self._to_host(key, adapter, borrowed)
         size = adapter_bytes(stored)
         with self._lock:
             existing = self._entries.get(key)
@@ -252,11 +255,11 @@ class HostAdapterCache:
         )
 
     def _to_host(
-        self, key: HostKey, adapter: CanonicalAdapter
+        self, key: HostKey, adapter: CanonicalAdapter, borrowed: bool
     ) -> tuple[CanonicalAdapter, ArenaBlock | None]:
         """The adapter as the cache stores it, and the arena block it was packed into."""
         if self.packing is not None:
-            if self._already_packed(adapter):
+            if self._already_packed(adapter) and not borrowed:
                 return adapter, None  # this pool's layout already (a shared weight set)
             if self.arena is None:
                 return self.packing.pack(adapter, pin=self.config.pins), None
@@ -271,9 +274,16 @@ class HostAdapterCache:
                 raise
         dtype, pin = self.config.dtype, self.config.pins
         tensors = {}
-        for name, tensor in adapter.tensors.items():
-            tensor = tensor.to(dtype or tensor.dtype).contiguous()
-            tensors[name] = tensor.pin_memory() if pin else tensor
+        for name, lent in adapter.tensors.items():
+            tensor = lent.to(dtype or lent.dtype).contiguous()
+            if pin:
+                tensor = tensor.pin_memory()
+            if (
+                borrowed
+                and tensor.untyped_storage().data_ptr() == lent.untyped_storage().data_ptr()
+            ):
+                tensor = tensor.clone()
+            tensors[name] = tensor
         manifest = adapter.manifest
         if dtype is not None:
             # The manifest describes the tensors it travels with; sha256 stays that of the

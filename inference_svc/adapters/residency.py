@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from adapter_store.errors import LoraserveError, Unavailable
+from adapter_store.format import CanonicalAdapter
 from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheEntry
 from inference_svc.adapters.sources import AdapterSource
 from inference_svc.engine.sequence import AdapterBinding, AdapterKey
@@ -110,9 +111,13 @@ class AdapterResidency:
                 raise Unavailable(
                     f"adapter {adapter.label}: this replica has no adapter source configured"
                 )
-            canonical = self.source.fetch(adapter)
-            self.pool.check_compatible(canonical)
-            self.host_cache.insert(adapter.key, canonical)
+
+            def insert(canonical: CanonicalAdapter) -> None:
+                self.pool.check_compatible(canonical)
+                # Its tensors may view the source's download buffer: the cache copies.
+                self.host_cache.insert(adapter.key, canonical, borrowed=True)
+
+            self.source.fetch_into(adapter, insert)
             self.host_cache.release(adapter.key)
             self.metrics.adapter_load_seconds.labels(self.source.tier).observe(
                 time.perf_counter() - started

@@ -12,8 +12,8 @@ it) and the downloaded bytes must hash to them, one of two ways:
   its 16 cores; on the 2-core CI machine, where the client and SeaweedFS already fill both
   cores, by parts is 5-12 % faster).
 Every GET reads straight into its place in one download buffer that the fetcher reuses
-across fetches (inference_svc.adapters.download_buffers says why); the parse copies the
-tensors out before the buffer goes back.
+across fetches (inference_svc.adapters.download_buffers says why). `fetch` copies the
+tensors out before the buffer goes back; `fetch_into` lends views of it to a callback.
 
 Errors, decided here:
 - a digest mismatch is retried once (a torn read or a flaky proxy): the part, or the whole
@@ -38,10 +38,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 from adapter_store.byte_pieces import BytePieces, HashedPieces
 from adapter_store.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from adapter_store.format import CanonicalAdapter, Manifest, deserialize_pieces, sha256_hex
 from inference_svc.adapters.download_buffers import DownloadBuffers
+from inference_svc.engine.sequence import AdapterBinding
 
 MIB = 1 << 20
 T = TypeVar("T")
@@ -88,6 +91,33 @@ class FetchedAdapter:
     seconds: float
 
 
+@dataclass(frozen=True)
+class _Download:
+    """Verified weights in a leased download buffer, and how they were fetched."""
+
+    label: str
+    manifest: Manifest
+    weights: memoryview  # [bytes] of weights.safetensors
+    parts: int
+    verified_by: str
+    refetched_parts: int
+    started: float  # time.perf_counter() at the fetch's start
+
+    def fetched(self, views: bool) -> FetchedAdapter:
+        """The parsed adapter: its tensors copied out of the buffer, or (views) viewing it."""
+        pieces = BytePieces()
+        pieces.append(self.weights)
+        buffer = torch.frombuffer(self.weights, dtype=torch.uint8) if views else None
+        try:
+            adapter = deserialize_pieces(pieces, self.manifest, views_of=buffer)  # verified
+        except InvalidArgument as exc:
+            raise FailedPrecondition(f"{self.label}: stored weights do not parse: {exc}") from None
+        return FetchedAdapter(
+            adapter, self.manifest.size_bytes, self.parts, self.verified_by,
+            self.refetched_parts, time.perf_counter() - self.started,
+        )  # fmt: skip
+
+
 class _DigestMismatch(Exception):
     def __init__(self, got: str, size: int) -> None:
         super().__init__(got)
@@ -127,11 +157,37 @@ class S3AdapterFetcher:
         expected_sha256: str | None = None,
         expected_parts_sha256: str = "",
     ) -> FetchedAdapter:
-        """Download, verify and deserialize one adapter version (blocking).
+        """Download, verify and deserialize one adapter version (blocking); its tensors are
+        its own.
 
         `expected_sha256` and `expected_parts_sha256` are the store's record of the weights'
         digests (None / "" where the caller has none); the manifest in S3 must agree.
         """
+        with self._download(tenant, name, version, expected_sha256, expected_parts_sha256) as got:
+            return got.fetched(views=False)
+
+    def fetch_into(self, adapter: AdapterBinding, consume: Callable[[FetchedAdapter], T]) -> T:
+        """`fetch` of a resolved adapter (its record's digests), handing the result to
+        `consume`, whose tensors view the download buffer: they are valid during the call
+        only, so `consume` copies what it keeps (the host cache's `insert(...,
+        borrowed=True)` packs them). One copy of the weights fewer than `fetch`, whose parse
+        copies every tensor out of the buffer."""
+        with self._download(
+            adapter.tenant, adapter.name, adapter.version, adapter.sha256, adapter.parts_sha256
+        ) as got:
+            return consume(got.fetched(views=True))
+
+    @contextmanager
+    def _download(
+        self,
+        tenant: str,
+        name: str,
+        version: int,
+        expected_sha256: str | None,
+        expected_parts_sha256: str,
+    ) -> Iterator[_Download]:
+        """The verified weights in a download buffer (inference_svc.adapters.download_buffers),
+        for the block; the buffer goes back to the pool after it."""
         started = time.perf_counter()
         prefix = adapter_prefix(tenant, name, version)
         label = f"adapter {tenant}/{name}@{version}"
@@ -146,8 +202,6 @@ class S3AdapterFetcher:
                 f"store's record says {expected_sha256}"
             )
         weights_key = prefix + "weights.safetensors"
-        # The weights land in a reused buffer (inference_svc.adapters.download_buffers) and
-        # are parsed out of it into tensors of their own before it is handed back.
         with self.buffers.lease(manifest.size_bytes) as weights:
             if _parts_bound(manifest, expected_sha256, expected_parts_sha256, label):
                 refetched = self._download_by_parts(weights_key, manifest, label, weights)
@@ -156,16 +210,7 @@ class S3AdapterFetcher:
                 refetched = self._download_whole(weights_key, manifest, label, weights)
                 parts = max(1, -(-manifest.size_bytes // self.config.part_size))
                 verified_by = "whole"
-            pieces = BytePieces()
-            pieces.append(weights)
-            try:
-                adapter = deserialize_pieces(pieces, manifest)  # verified above
-            except InvalidArgument as exc:
-                raise FailedPrecondition(f"{label}: stored weights do not parse: {exc}") from None
-        return FetchedAdapter(
-            adapter, manifest.size_bytes, parts, verified_by, refetched,
-            time.perf_counter() - started,
-        )  # fmt: skip
+            yield _Download(label, manifest, weights, parts, verified_by, refetched, started)
 
     def _download_by_parts(
         self, key: str, manifest: Manifest, label: str, weights: memoryview

@@ -8,15 +8,19 @@ are called from worker threads (they block).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
 from adapter_store.errors import FailedPrecondition, InvalidArgument
 from adapter_store.format import CanonicalAdapter, Manifest, deserialize_pieces
+from inference_svc.adapters.owned_tensors import OwnedTensorsSource
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher
 from inference_svc.adapters.store_errors import from_store_error
 from inference_svc.engine.sequence import AdapterBinding
+
+T = TypeVar("T")
 
 
 class AdapterSource(Protocol):
@@ -24,6 +28,11 @@ class AdapterSource(Protocol):
 
     def fetch(self, adapter: AdapterBinding) -> CanonicalAdapter:
         """Download, verify and deserialize one adapter version (blocking)."""
+        ...
+
+    def fetch_into(self, adapter: AdapterBinding, consume: Callable[[CanonicalAdapter], T]) -> T:
+        """`fetch`, handing the adapter to `consume`: its tensors may view a download buffer
+        that is reused after the call, so `consume` copies what it keeps."""
         ...
 
 
@@ -38,8 +47,11 @@ class S3Source:
             adapter.tenant, adapter.name, adapter.version, adapter.sha256, adapter.parts_sha256
         ).adapter
 
+    def fetch_into(self, adapter: AdapterBinding, consume: Callable[[CanonicalAdapter], T]) -> T:
+        return self._fetcher.fetch_into(adapter, lambda fetched: consume(fetched.adapter))
 
-class StoreFetchSource:
+
+class StoreFetchSource(OwnedTensorsSource):
     """`FetchAdapter` through the async store client, which lives on the service's loop,
     as the caller who resolved the adapter (the store checks their tenant again)."""
 

@@ -125,6 +125,20 @@ def test_dtype_conversion_on_insert() -> None:
     assert cache.metrics().bytes_used == SIZE // 2
 
 
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_a_borrowed_adapter_is_never_aliased(dtype) -> None:
+    """`borrowed`: the tensors are lent for the call (they view a reused download buffer);
+    what the cache keeps does not share their memory, converted or not."""
+    cache = _cache(3, dtype=dtype)
+    lent = _small(4)
+    expected = {name: tensor.clone() for name, tensor in lent.tensors.items()}
+    stored = cache.insert("a", lent, borrowed=True)
+    for tensor in lent.tensors.values():
+        tensor.fill_(7.0)  # the next download overwrites the buffer
+    for name, tensor in stored.tensors.items():
+        assert torch.equal(tensor, expected[name].to(tensor.dtype)), name
+
+
 def test_config_validation() -> None:
     with pytest.raises(ValueError):
         HostCacheConfig(capacity_bytes=0)

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from adapter_store.errors import FailedPrecondition, NotFound, Unavailable
-from adapter_store.format import serialize
+from adapter_store.format import model_lora_shapes, serialize
+from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher, S3FetchConfig, adapter_prefix
+from inference_svc.engine.sequence import AdapterBinding
+from inference_svc.lora.packing import SlotPacking
 from tests.fixtures.random_adapters import random_adapter
 from tests.fixtures.servers import free_port
 from tests.fixtures.tiny_models import tiny_config
@@ -56,6 +59,16 @@ def stored_without_parts(s3, s3_bucket, stored):
 
 def _fetcher(endpoint: str, bucket: str, **kwargs) -> S3AdapterFetcher:
     return S3AdapterFetcher(S3FetchConfig(bucket=bucket, endpoint_url=endpoint, **kwargs))
+
+
+def _store_next_version(s3, s3_bucket):
+    """Another adapter stored as version VERSION + 1: (adapter, its weights file)."""
+    other = random_adapter(tiny_config("v3_q_lora").to_dict(), 8, seed=12)
+    other_weights, other_manifest = serialize(other, part_bytes=PART)
+    prefix = adapter_prefix(TENANT, NAME, VERSION + 1)
+    s3.put_object(Bucket=s3_bucket, Key=prefix + "weights.safetensors", Body=other_weights)
+    s3.put_object(Bucket=s3_bucket, Key=prefix + "manifest.json", Body=other_manifest)
+    return other, other_weights
 
 
 def _assert_same(fetched, adapter, weights) -> None:
@@ -109,11 +122,7 @@ def test_fetches_reuse_one_download_buffer_and_keep_tensors_of_their_own(
     """The second fetch downloads into the buffer the first one used; the first fetch's
     tensors are copies, so its adapter is untouched by the second download."""
     adapter, weights = stored
-    other = random_adapter(tiny_config("v3_q_lora").to_dict(), 8, seed=12)
-    other_weights, other_manifest = serialize(other, part_bytes=PART)
-    prefix = adapter_prefix(TENANT, NAME, VERSION + 1)
-    s3.put_object(Bucket=s3_bucket, Key=prefix + "weights.safetensors", Body=other_weights)
-    s3.put_object(Bucket=s3_bucket, Key=prefix + "manifest.json", Body=other_manifest)
+    other, other_weights = _store_next_version(s3, s3_bucket)
     fetcher = _fetcher(s3_server.endpoint_url, s3_bucket)
     leased = []
     acquire = fetcher.buffers.acquire
@@ -124,6 +133,43 @@ def test_fetches_reuse_one_download_buffer_and_keep_tensors_of_their_own(
     assert fetcher.buffers.idle_bytes == len(leased[0]) >= max(len(weights), len(other_weights))
     _assert_same(first, adapter, weights)
     _assert_same(second, other, other_weights)
+    fetcher.close()
+
+
+def test_fetch_into_lends_views_of_the_buffer_for_the_call_only(
+    s3, s3_server, s3_bucket, stored
+) -> None:
+    """`fetch_into` hands `consume` tensors that view the download buffer (no parse copy);
+    a packing host cache copies them, and the next download into the same buffer leaves the
+    cached adapter as it was."""
+    adapter, weights = stored
+    other, other_weights = _store_next_version(s3, s3_bucket)
+    shapes = model_lora_shapes(tiny_config("v3_q_lora").to_dict())
+    cache = HostAdapterCache(
+        HostCacheConfig(1 << 24, dtype=torch.float32), SlotPacking.for_shapes(shapes, torch.float32)
+    )
+    fetcher = _fetcher(s3_server.endpoint_url, s3_bucket)
+    storage_bytes = []
+
+    def insert(fetched):
+        _assert_same(fetched, adapter, weights)
+        # Views: each tensor's storage is the whole download buffer.
+        storage_bytes.extend(t.untyped_storage().nbytes() for t in fetched.adapter.tensors.values())
+        return cache.insert("first", fetched.adapter, borrowed=True)
+
+    binding = AdapterBinding(
+        TENANT, NAME, VERSION, 8, adapter.manifest.sha256, len(weights), "tiny",
+        parts_sha256=adapter.manifest.parts_sha256,
+    )  # fmt: skip
+    stored_first = fetcher.fetch_into(binding, insert)
+    assert storage_bytes and min(storage_bytes) >= len(weights)
+    second = fetcher.fetch(TENANT, NAME, VERSION + 1, other.manifest.sha256)  # same buffer
+    _assert_same(second, other, other_weights)
+    assert max(t.untyped_storage().nbytes() for t in second.adapter.tensors.values()) < len(
+        other_weights
+    )  # `fetch`: tensors of their own
+    for name, tensor in adapter.tensors.items():
+        assert torch.equal(stored_first.tensors[name], tensor.float()), name
     fetcher.close()
 
 

@@ -17,6 +17,7 @@ from adapter_store.errors import NotFound, ResourceExhausted
 from adapter_store.format import CanonicalAdapter
 from adapter_store.model_shapes import model_lora_shapes
 from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig
+from inference_svc.adapters.owned_tensors import OwnedTensorsSource
 from inference_svc.adapters.residency import AdapterResidency
 from inference_svc.engine.lora_slots import LoraSlotAllocator
 from inference_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -36,7 +37,7 @@ from tests.fixtures.random_adapters import random_adapter
 HF_CONFIG = json.loads((EMBEDDED_BASE_DIR / "config.json").read_text())
 
 
-class FakeSource:
+class FakeSource(OwnedTensorsSource):
     """Random adapters by name; `gate(name)` holds that adapter's download until `open`."""
 
     tier = "s3"

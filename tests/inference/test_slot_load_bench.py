@@ -31,3 +31,4 @@ def test_s3_host_load_bench_runs_against_seaweedfs(s3_server) -> None:
     assert [row["scenario"] for row in rows] == list(SCENARIOS)
     assert all(row["fetch_s_p50"] > 0 and row["insert_s_p50"] > 0 for row in rows)
     assert all(len(row["insert_first_touch_s"]) == len(row["insert_s"]) == 1 for row in rows)
+    assert all(row["fetch_into_host_cache_s_p50"] > 0 for row in rows)

@@ -96,3 +96,26 @@ def test_copy_out_of_range_is_refused() -> None:
     pieces = _pieces(b"abc")
     with pytest.raises(ValueError, match="outside"):
         pieces.copy_out(2, memoryview(bytearray(2)))
+
+
+def test_views_of_one_buffer_share_its_memory_where_aligned() -> None:
+    """With `views_of`, aligned tensors are views into that tensor (no copy); a tensor
+    whose data is not aligned to its dtype is copied out; the values are the same."""
+    half = torch.tensor([1.5], dtype=torch.float16)  # 2 bytes: the float32 after it is at 2
+    floats = torch.tensor([3.25, -1.0])
+    header = {
+        "h": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2]},
+        "f": {"dtype": "F32", "shape": [2], "data_offsets": [2, 10]},
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned, as safetensors pads
+    blob = len(raw).to_bytes(8, "little") + raw + half.view(torch.uint8).numpy().tobytes()
+    blob += floats.view(torch.uint8).numpy().tobytes()
+    buffer = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    read = read_safetensors(_pieces(blob), views_of=buffer)
+    assert torch.equal(read["h"], half) and torch.equal(read["f"], floats)
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    assert start <= read["h"].data_ptr() < end  # a view
+    assert not start <= read["f"].data_ptr() < end  # misaligned: copied
+    buffer[-1] = 0  # the view follows the buffer; the copy does not
+    assert torch.equal(read["f"], floats)
