@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import platform
@@ -43,7 +42,7 @@ from adapter_store.format import CanonicalAdapter
 from bench.serve_setup import now_iso, percentiles_ms, save
 from bench.store_throughput import V2_LITE, v2_lite_peft_folder
 from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig
-from inference_svc.adapters.owned_tensors import OwnedTensorsSource
+from inference_svc.adapters.owned_tensors import Consume, T
 from inference_svc.adapters.s3_fetch import MIB, S3AdapterFetcher, S3FetchConfig
 from inference_svc.adapters.sources import AdapterSource, S3Source, StoreFetchSource
 from inference_svc.engine.sequence import AdapterBinding
@@ -87,7 +86,7 @@ class EventLoopThread:
         self._thread.join(5)
 
 
-class WholeFileDigestSource(OwnedTensorsSource):
+class WholeFileDigestSource:
     """`S3Source` for a record without part digests: the whole file's sha256 verifies."""
 
     tier = "s3"
@@ -97,6 +96,9 @@ class WholeFileDigestSource(OwnedTensorsSource):
 
     def fetch(self, adapter: AdapterBinding) -> CanonicalAdapter:
         return self._source.fetch(replace(adapter, parts_sha256=""))
+
+    def fetch_into(self, adapter: AdapterBinding, consume: Consume[T]) -> T:
+        return self._source.fetch_into(replace(adapter, parts_sha256=""), consume)
 
 
 async def open_client(address: str) -> StoreClient:
@@ -115,7 +117,10 @@ def time_fetches(
             cache = HostAdapterCache(HostCacheConfig(capacity_bytes=4 * GIB))
             started = time.perf_counter()
             source.fetch_into(  # as the replica's residency does
-                adapter, functools.partial(cache.insert, adapter.key, borrowed=True)
+                adapter,
+                lambda canonical, lent, cache=cache: cache.insert(
+                    adapter.key, canonical, borrowed=lent
+                ),
             )
             elapsed = time.perf_counter() - started
             cache.release(adapter.key)

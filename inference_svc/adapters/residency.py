@@ -112,10 +112,10 @@ class AdapterResidency:
                     f"adapter {adapter.label}: this replica has no adapter source configured"
                 )
 
-            def insert(canonical: CanonicalAdapter) -> None:
+            def insert(canonical: CanonicalAdapter, lent: bool) -> None:
                 self.pool.check_compatible(canonical)
-                # Its tensors may view the source's download buffer: the cache copies.
-                self.host_cache.insert(adapter.key, canonical, borrowed=True)
+                # Lent tensors view the source's download buffer: the cache copies them.
+                self.host_cache.insert(adapter.key, canonical, borrowed=lent)
 
             self.source.fetch_into(adapter, insert)
             self.host_cache.release(adapter.key)

@@ -8,19 +8,16 @@ are called from worker threads (they block).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import grpc
 
 from adapter_store.errors import FailedPrecondition, InvalidArgument
 from adapter_store.format import CanonicalAdapter, Manifest, deserialize_pieces
-from inference_svc.adapters.owned_tensors import OwnedTensorsSource
+from inference_svc.adapters.owned_tensors import Consume, OwnedTensorsSource, T
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher
 from inference_svc.adapters.store_errors import from_store_error
 from inference_svc.engine.sequence import AdapterBinding
-
-T = TypeVar("T")
 
 
 class AdapterSource(Protocol):
@@ -30,9 +27,9 @@ class AdapterSource(Protocol):
         """Download, verify and deserialize one adapter version (blocking)."""
         ...
 
-    def fetch_into(self, adapter: AdapterBinding, consume: Callable[[CanonicalAdapter], T]) -> T:
-        """`fetch`, handing the adapter to `consume`: its tensors may view a download buffer
-        that is reused after the call, so `consume` copies what it keeps."""
+    def fetch_into(self, adapter: AdapterBinding, consume: Consume[T]) -> T:
+        """`fetch`, handing the adapter to `consume` with whether its tensors are only lent
+        (they view a download buffer reused after the call: `consume` copies what it keeps)."""
         ...
 
 
@@ -47,8 +44,8 @@ class S3Source:
             adapter.tenant, adapter.name, adapter.version, adapter.sha256, adapter.parts_sha256
         ).adapter
 
-    def fetch_into(self, adapter: AdapterBinding, consume: Callable[[CanonicalAdapter], T]) -> T:
-        return self._fetcher.fetch_into(adapter, lambda fetched: consume(fetched.adapter))
+    def fetch_into(self, adapter: AdapterBinding, consume: Consume[T]) -> T:
+        return self._fetcher.fetch_into(adapter, lambda fetched: consume(fetched.adapter, True))
 
 
 class StoreFetchSource(OwnedTensorsSource):
