@@ -258,21 +258,56 @@ def _sgmv_shrink_planned_kernel(
 
 
 @triton.jit
+def _expand_cols(
+    pid_n, N, slice1_col, slice2_col, slice1_block, slice2_block,
+    BLOCK_N: tl.constexpr, COLS_ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """(slice index, columns [BLOCK_N], their mask) of column block `pid_n`."""
+    # Column blocks never straddle a slice: blocks [sliceI_block, ...) belong to slice I.
+    in_s1 = pid_n >= slice1_block
+    in_s2 = pid_n >= slice2_block
+    slice_idx = in_s1.to(tl.int32) + in_s2.to(tl.int32)
+    col_lo = tl.where(in_s2, slice2_col, tl.where(in_s1, slice1_col, 0))
+    col_hi = tl.where(in_s2, N, tl.minimum(tl.where(in_s1, slice2_col, slice1_col), N))
+    if COLS_ALIGNED:
+        # Lets the out tile load/store as 16-byte vectors (scalar 2-byte ones otherwise).
+        col_lo = tl.multiple_of(col_lo, 8)
+        col_hi = tl.multiple_of(col_hi, 8)
+    block_lo = tl.where(in_s2, slice2_block, tl.where(in_s1, slice1_block, 0))
+    offs_n = col_lo + (pid_n - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return slice_idx, offs_n, offs_n < col_hi
+
+
+@triton.jit
+def _b_block(
+    b_ptr, slot, rank, offs_n, mask_n, offs_r, stride_bs, stride_bn, stride_br,
+    RANK_ALIGN: tl.constexpr,
+):  # fmt: skip
+    """B[slot] [r, n] at rank rows `offs_r`, columns `offs_n`, as loaded: what lies past the
+    slot's rank in its rounded-up columns (`rank_load_bound`) is the caller's to zero, where
+    it uses the block (zeroing it here would make the load's latency a stall right here)."""
+    return tl.load(
+        b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
+        + offs_r[:, None] * stride_br,
+        mask=mask_n[None, :] & (offs_r < rank_load_bound(rank, RANK_ALIGN))[:, None],
+        other=0.0,
+    )  # fmt: skip
+
+
+@triton.jit
 def _expand_item(
     y_ptr,
     b_ptr,
     out_ptr,
-    seg_indptr_ptr,
-    seg_slot_ptr,
-    slot_rank_ptr,
-    seg,
-    pid_n,
+    slot,
+    rank,
+    t_start,
+    t_end,
+    slice_idx,
+    offs_n,
+    mask_n,
+    b_first,
     R,
-    N,
-    slice1_col,
-    slice2_col,
-    slice1_block,
-    slice2_block,
     stride_yt,
     stride_yr,
     stride_bs,
@@ -283,52 +318,48 @@ def _expand_item(
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    COLS_ALIGNED: tl.constexpr,
+    B_FIRST: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """out[seg's tokens, column block pid_n] += y · B[slot]ᵀ over the block's slice."""
-    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
+    """out[tokens t_start..t_end, columns offs_n] += y · B[slot]ᵀ over their slice. B_FIRST:
+    b_first is B's first rank block, which the caller loaded (before its PDL wait)."""
     if rank > 0:
-        # Column blocks never straddle a slice: blocks [sliceI_block, ...) belong to slice I.
-        in_s1 = pid_n >= slice1_block
-        in_s2 = pid_n >= slice2_block
-        slice_idx = in_s1.to(tl.int32) + in_s2.to(tl.int32)
-        col_lo = tl.where(in_s2, slice2_col, tl.where(in_s1, slice1_col, 0))
-        col_hi = tl.where(in_s2, N, tl.minimum(tl.where(in_s1, slice2_col, slice1_col), N))
-        if COLS_ALIGNED:
-            # Lets the out tile load/store as 16-byte vectors (scalar 2-byte ones otherwise).
-            col_lo = tl.multiple_of(col_lo, 8)
-            col_hi = tl.multiple_of(col_hi, 8)
-        block_lo = tl.where(in_s2, slice2_block, tl.where(in_s1, slice1_block, 0))
-
         offs_t = t_start + tl.arange(0, BLOCK_T)
         mask_t = offs_t < t_end
-        offs_n = col_lo + (pid_n - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < col_hi
         out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
         out_mask = mask_t[:, None] & mask_n[None, :]
         # Issued before the rank loop so its latency overlaps the B loads.
         prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
-        b_slot = b_ptr + slot.to(tl.int64) * stride_bs
-        load_rank = rank_load_bound(rank, RANK_ALIGN)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)  # [t, n]
-        for r in range(0, rank, BLOCK_R):
+        first_r = 0
+        if B_FIRST:
+            offs_r = tl.arange(0, BLOCK_R)
+            y = _y_block(y_ptr, offs_t, mask_t, slice_idx, R, offs_r, rank, stride_yt, stride_yr)
+            b = tl.where((offs_r < rank)[:, None], b_first, 0.0)
+            acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+            first_r = BLOCK_R
+        for r in range(first_r, rank, BLOCK_R):
             offs_r = r + tl.arange(0, BLOCK_R)
-            mask_r = offs_r < rank
-            y = tl.load(
-                y_ptr + offs_t[:, None] * stride_yt + (slice_idx * R + offs_r)[None, :] * stride_yr,
-                mask=mask_t[:, None] & mask_r[None, :],
-                other=0.0,
-            )  # [t, r]
-            b = tl.load(
-                b_slot + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                mask=mask_n[None, :] & (offs_r < load_rank)[:, None],
-                other=0.0,
-            )  # [r, n]
-            b = tl.where(mask_r[:, None], b, 0.0)
+            y = _y_block(y_ptr, offs_t, mask_t, slice_idx, R, offs_r, rank, stride_yt, stride_yr)
+            b = _b_block(
+                b_ptr, slot, rank, offs_n, mask_n, offs_r, stride_bs, stride_bn, stride_br,
+                RANK_ALIGN,
+            )  # fmt: skip
+            b = tl.where((offs_r < rank)[:, None], b, 0.0)
             acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
         tl.store(out_ptrs, (prev.to(tl.float32) + acc).to(prev.dtype), mask=out_mask)
+
+
+@triton.jit
+def _y_block(y_ptr, offs_t, mask_t, slice_idx, R, offs_r, rank, stride_yt, stride_yr):
+    """y [t, r] of tokens `offs_t` in slice `slice_idx`, rank columns `offs_r`: zero past the
+    slot's rank."""
+    return tl.load(
+        y_ptr + offs_t[:, None] * stride_yt + (slice_idx * R + offs_r)[None, :] * stride_yr,
+        mask=mask_t[:, None] & (offs_r < rank)[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -364,41 +395,46 @@ def _sgmv_expand_kernel(
 ):
     """v1: one program per (segment, column block) of the grid. planned: a fixed grid walks
     the (live segment, column block) items, so padding segments of a graph captured for more
-    tokens cost no programs."""
+    tokens cost no programs.
+
+    A program's first item is item program_id whatever the live count (the grid covers at
+    most the capacity's segments, and those past the live ones are empty), so its segment,
+    rank and first B block are read before the PDL wait: nothing of the step writes them,
+    and their chain of dependent loads (segment, rank, B) then overlaps the launch and the
+    kernel before. y and out come after the wait. Later items load theirs in turn."""
+    pid = tl.program_id(0)
+    slot, rank, t_start, t_end = load_segment(
+        pid // n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr
+    )
+    slice_idx, offs_n, mask_n = _expand_cols(
+        pid % n_blocks, N, slice1_col, slice2_col, slice1_block, slice2_block, BLOCK_N,
+        COLS_ALIGNED,
+    )  # fmt: skip
+    b_first = _b_block(
+        b_ptr, slot, rank, offs_n, mask_n, tl.arange(0, BLOCK_R), stride_bs, stride_bn,
+        stride_br, RANK_ALIGN,
+    )  # fmt: skip
     grid_dependency_control()
-    first, last, step = tl.program_id(0), tl.program_id(0) + 1, 1
+    _expand_item(
+        y_ptr, b_ptr, out_ptr, slot, rank, t_start, t_end, slice_idx, offs_n, mask_n, b_first,
+        R, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
+        BLOCK_T, BLOCK_N, BLOCK_R, True, RANK_ALIGN, DOT_PRECISION,
+    )  # fmt: skip
     if PLANNED:
         last, step = tl.load(num_segments_ptr) * n_blocks, tl.num_programs(0)
-    for item in range(first, last, step):
-        _expand_item(
-            y_ptr,
-            b_ptr,
-            out_ptr,
-            seg_indptr_ptr,
-            seg_slot_ptr,
-            slot_rank_ptr,
-            item // n_blocks,
-            item % n_blocks,
-            R,
-            N,
-            slice1_col,
-            slice2_col,
-            slice1_block,
-            slice2_block,
-            stride_yt,
-            stride_yr,
-            stride_bs,
-            stride_bn,
-            stride_br,
-            stride_ot,
-            stride_on,
-            BLOCK_T,
-            BLOCK_N,
-            BLOCK_R,
-            COLS_ALIGNED,
-            RANK_ALIGN,
-            DOT_PRECISION,
-        )
+        for item in range(pid + step, last, step):
+            slot, rank, t_start, t_end = load_segment(
+                item // n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr
+            )
+            slice_idx, offs_n, mask_n = _expand_cols(
+                item % n_blocks, N, slice1_col, slice2_col, slice1_block, slice2_block,
+                BLOCK_N, COLS_ALIGNED,
+            )  # fmt: skip
+            _expand_item(
+                y_ptr, b_ptr, out_ptr, slot, rank, t_start, t_end, slice_idx, offs_n, mask_n,
+                b_first, R, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot,
+                stride_on, BLOCK_T, BLOCK_N, BLOCK_R, False, RANK_ALIGN, DOT_PRECISION,
+            )  # fmt: skip
 
 
 def dot_precision(dtype: torch.dtype) -> str:

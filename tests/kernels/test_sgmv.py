@@ -102,6 +102,28 @@ def test_split_k_prefill_segments_and_rank_below_block(dtype, variants) -> None:
 
 
 @pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
+@pytest.mark.parametrize("slice_offsets", [DENSE_SLICES, QKV_A_SLICES], ids=["1slice", "qkv_a"])
+def test_pool_rank_above_one_rank_block(slice_offsets, variants) -> None:  # type: ignore[no-untyped-def]
+    """Pool rank 96: the expand's rank loop runs two 64-wide blocks (its first read with the
+    item's segment, the second in the loop), beside slots of rank < 64 that stop after one;
+    NaN past every slot's rank, so a block that reads there unzeroed shows."""
+    shrink_v, expand_v = variants
+    num_slices = len(slice_offsets) - 1
+    segs, x, A, B, out = sgmv_case(
+        "distinct", 37, 90, slice_offsets, 96, torch.float32, seed=5, poison=float("nan")
+    )
+    used = [int(segs.slot_rank[s]) for s in segs.seg_slot[: segs.num_live_segments] if s >= 0]
+    assert max(used) > 64 > min(used)
+    y = sgmv_shrink(x, A, segs, num_slices, variant=shrink_v)
+    y_ref = sgmv_shrink_ref(x, A, segs, num_slices)
+    assert_close(y, y_ref, torch.float32)
+    expected = sgmv_expand_ref(y_ref, B, out.clone(), segs, slice_offsets)
+    assert_close(
+        sgmv_expand(y, B, out, segs, slice_offsets, variant=expand_v), expected, torch.float32
+    )
+
+
+@pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
 @pytest.mark.parametrize("popularity", ["skewed", "distinct"])
 def test_prefill_tiles_of_64_tokens(popularity, variants) -> None:  # type: ignore[no-untyped-def]
     """64-token tiles (`max_seg_len=64`; measured for prefill steps, not used by serving):
