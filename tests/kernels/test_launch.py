@@ -33,12 +33,14 @@ def _scale_kernel(x_ptr, out_ptr, n, n_loose, scale, BLOCK: tl.constexpr, ADD_ON
 
 
 # Kernels allowed statements before the wait, and how many: they only read what no kernel of
-# a step writes (model weights, LoRA pool weights), or what kernels before the previous one
-# wrote, which that kernel's own wait made complete before this one could launch.
+# a step writes (model weights, LoRA pool weights and ranks, the step's segment metadata),
+# or what kernels before the previous one wrote, which that kernel's own wait made complete
+# before this one could launch.
 PREFETCH_BEFORE_WAIT = {
     "_gemv_kernel": 11,
     "_moe_lora_pair_kernel": 22,
     "_mla_absorbed_lora_prefetch_kernel": 2,
+    "_sgmv_expand_kernel": 4,
 }
 
 
