@@ -258,11 +258,17 @@ def _sgmv_shrink_planned_kernel(
 
 
 @triton.jit
-def _expand_cols(
-    pid_n, N, slice1_col, slice2_col, slice1_block, slice2_block,
-    BLOCK_N: tl.constexpr, COLS_ALIGNED: tl.constexpr,
+def _expand_place(
+    item, n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, N, slice1_col, slice2_col,
+    slice1_block, slice2_block, BLOCK_N: tl.constexpr, COLS_ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    """(slice index, columns [BLOCK_N], their mask) of column block `pid_n`."""
+    """Where item `item` (segment item // n_blocks, column block item % n_blocks) works:
+    (slot, rank, first token, end token) as `load_segment`, then (slice index, columns
+    [BLOCK_N], their mask)."""
+    slot, rank, t_start, t_end = load_segment(
+        item // n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr
+    )
+    pid_n = item % n_blocks
     # Column blocks never straddle a slice: blocks [sliceI_block, ...) belong to slice I.
     in_s1 = pid_n >= slice1_block
     in_s2 = pid_n >= slice2_block
@@ -275,7 +281,7 @@ def _expand_cols(
         col_hi = tl.multiple_of(col_hi, 8)
     block_lo = tl.where(in_s2, slice2_block, tl.where(in_s1, slice1_block, 0))
     offs_n = col_lo + (pid_n - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return slice_idx, offs_n, offs_n < col_hi
+    return slot, rank, t_start, t_end, slice_idx, offs_n, offs_n < col_hi
 
 
 @triton.jit
@@ -323,13 +329,15 @@ def _expand_item(
     DOT_PRECISION: tl.constexpr,
 ):
     """out[tokens t_start..t_end, columns offs_n] += y · B[slot]ᵀ over their slice. B_FIRST:
-    b_first is B's first rank block, which the caller loaded (before its PDL wait)."""
+    b_first is B's first rank block, which the caller loaded (before its PDL wait); without
+    it b_first is not read and every block loads here, after out (a block held from before
+    out's load was slower: docs/kernel_notes.md §18)."""
     if rank > 0:
         offs_t = t_start + tl.arange(0, BLOCK_T)
         mask_t = offs_t < t_end
         out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
         out_mask = mask_t[:, None] & mask_n[None, :]
-        # Issued before the rank loop so its latency overlaps the B loads.
+        # Issued before the y and B loads so that its latency overlaps theirs.
         prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)  # [t, n]
         first_r = 0
@@ -403,12 +411,9 @@ def _sgmv_expand_kernel(
     and their chain of dependent loads (segment, rank, B) then overlaps the launch and the
     kernel before. y and out come after the wait. Later items load theirs in turn."""
     pid = tl.program_id(0)
-    slot, rank, t_start, t_end = load_segment(
-        pid // n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr
-    )
-    slice_idx, offs_n, mask_n = _expand_cols(
-        pid % n_blocks, N, slice1_col, slice2_col, slice1_block, slice2_block, BLOCK_N,
-        COLS_ALIGNED,
+    slot, rank, t_start, t_end, slice_idx, offs_n, mask_n = _expand_place(
+        pid, n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, N, slice1_col, slice2_col,
+        slice1_block, slice2_block, BLOCK_N, COLS_ALIGNED,
     )  # fmt: skip
     b_first = _b_block(
         b_ptr, slot, rank, offs_n, mask_n, tl.arange(0, BLOCK_R), stride_bs, stride_bn,
@@ -423,12 +428,9 @@ def _sgmv_expand_kernel(
     if PLANNED:
         last, step = tl.load(num_segments_ptr) * n_blocks, tl.num_programs(0)
         for item in range(pid + step, last, step):
-            slot, rank, t_start, t_end = load_segment(
-                item // n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr
-            )
-            slice_idx, offs_n, mask_n = _expand_cols(
-                item % n_blocks, N, slice1_col, slice2_col, slice1_block, slice2_block,
-                BLOCK_N, COLS_ALIGNED,
+            slot, rank, t_start, t_end, slice_idx, offs_n, mask_n = _expand_place(
+                item, n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, N, slice1_col,
+                slice2_col, slice1_block, slice2_block, BLOCK_N, COLS_ALIGNED,
             )  # fmt: skip
             _expand_item(
                 y_ptr, b_ptr, out_ptr, slot, rank, t_start, t_end, slice_idx, offs_n, mask_n,

@@ -40,7 +40,7 @@ PREFETCH_BEFORE_WAIT = {
     "_gemv_kernel": 11,
     "_moe_lora_pair_kernel": 22,
     "_mla_absorbed_lora_prefetch_kernel": 2,
-    "_sgmv_expand_kernel": 4,
+    "_sgmv_expand_kernel": 3,
 }
 
 
