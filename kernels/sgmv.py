@@ -344,8 +344,7 @@ def _expand_item(
         if B_FIRST:
             offs_r = tl.arange(0, BLOCK_R)
             y = _y_block(y_ptr, offs_t, mask_t, slice_idx, R, offs_r, rank, stride_yt, stride_yr)
-            b = tl.where((offs_r < rank)[:, None], b_first, 0.0)
-            acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+            acc = _add_rank_block(acc, y, b_first, offs_r, rank, DOT_PRECISION)
             first_r = BLOCK_R
         for r in range(first_r, rank, BLOCK_R):
             offs_r = r + tl.arange(0, BLOCK_R)
@@ -354,9 +353,16 @@ def _expand_item(
                 b_ptr, slot, rank, offs_n, mask_n, offs_r, stride_bs, stride_bn, stride_br,
                 RANK_ALIGN,
             )  # fmt: skip
-            b = tl.where((offs_r < rank)[:, None], b, 0.0)
-            acc = tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+            acc = _add_rank_block(acc, y, b, offs_r, rank, DOT_PRECISION)
         tl.store(out_ptrs, (prev.to(tl.float32) + acc).to(prev.dtype), mask=out_mask)
+
+
+@triton.jit
+def _add_rank_block(acc, y, b, offs_r, rank, DOT_PRECISION: tl.constexpr):
+    """acc [t, n] + y [t, r] · b [r, n], b's rows from the slot's rank on zeroed first (a
+    `_b_block` leaves what its rounded-up load read there)."""
+    b = tl.where((offs_r < rank)[:, None], b, 0.0)
+    return tl.dot(y.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
