@@ -121,6 +121,9 @@ def decode_lines(results: Path) -> Iterator[Line]:
         if "floor_overhead" in row:  # the ceiling its LoRA bytes allow (bench/lora_floor.py)
             ceiling = 1 / (1 + row["floor_overhead"])
             yield Line(f"  ceiling from the LoRA bytes, B={batch}", "-", f"{ceiling:.3f}", None)
+        # Issue 9's decode step ÷ floor counts the batch's adapters' bytes in the floor.
+        name = f"decode step ÷ floor, B={batch} ({row['adapters']} r16 adapters{layers})"
+        yield _at_most(name, 1.5, row.get("lora_step_over_floor"))
 
 
 def slot_load_lines(results: Path) -> Iterator[Line]:

@@ -34,6 +34,25 @@ def test_decode_overhead_lines_take_the_default_kernel_set(tmp_path: Path) -> No
     ceiling = lines["ceiling from the LoRA bytes, B=64"]
     assert (ceiling.measured, ceiling.met) == ("0.889", None)
     assert lines["decode tok/s with 32 r16 adapters ÷ no LoRA, B=1 [8 layers]"].met is None
+    # A file written before the step ÷ floor was recorded shows it as not measured.
+    assert lines["decode step ÷ floor, B=64 (32 r16 adapters [8 layers])"].met is None
+
+
+def test_decode_step_over_floor_with_adapters_is_judged_against_1_5(tmp_path: Path) -> None:
+    """Issue 9's step ÷ floor counts the adapters' bytes; the bench records it per case."""
+    rows = [
+        {"batch": 1, "adapters": 1, "base_us": 10.0, "lora_us": 12.0,
+         "lora_step_over_floor": 1.93},
+        {"batch": 64, "adapters": 32, "base_us": 100.0, "lora_us": 120.0,
+         "lora_step_over_floor": 1.34},
+    ]  # fmt: skip
+    _write(tmp_path, {"new": {"decode": rows, "moe": {"ratio": 0.1}}})
+    lines = _by_target(tmp_path)
+    one = lines["decode step ÷ floor, B=1 (1 r16 adapters [8 layers])"]
+    assert (one.measured, one.met) == ("1.93", False)
+    batch = lines["decode step ÷ floor, B=64 (32 r16 adapters [8 layers])"]
+    assert (batch.measured, batch.met) == ("1.34", True)
+    assert "decode step ÷ floor, B=256 (32 r16 adapters [8 layers])" not in lines
 
 
 def test_decode_overhead_missing_is_shown_as_not_run(tmp_path: Path) -> None:
