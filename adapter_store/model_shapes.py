@@ -38,6 +38,11 @@ _FAMILY_DEFAULTS: dict[str, tuple[int, int]] = {
 }
 
 
+def is_routed_expert_module(module: str) -> bool:
+    """Whether canonical `module` is one of the routed experts' (moe.*: an expert dim)."""
+    return module.startswith("moe.")
+
+
 @dataclass(frozen=True)
 class ModuleShape:
     """Shape of one canonical module on the layers listed in `layers`."""
@@ -53,7 +58,7 @@ class ModuleShape:
             raise ValueError(f"unknown canonical module {self.module!r}")
         if self.in_features <= 0 or not self.out_slices or min(self.out_slices) <= 0:
             raise ValueError(f"{self.module}: non-positive dims {self}")
-        if (self.num_experts is not None) != self.module.startswith("moe."):
+        if (self.num_experts is not None) != is_routed_expert_module(self.module):
             raise ValueError(f"{self.module}: num_experts must be set exactly for moe.*")
 
     @property

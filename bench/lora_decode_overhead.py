@@ -5,7 +5,8 @@ attn.qkv_a has its two unequal slices and attn.q_b exists), `--layers` decoder l
 8 = 1 dense + 7 MoE of V2-Lite's 27, to keep memory and the run short; the overhead is a
 per-layer ratio, `--layers 27` gives the full model). Adapters cover every canonical module
 and are written straight into the slot pool with random values (the load path is not what
-is timed). Decode steps are CUDA-graph replays through `ModelRunner.execute` at batch
+is timed; `--no-routed`: on every module but the routed experts, which most MoE fine-tunes
+leave alone). Decode steps are CUDA-graph replays through `ModelRunner.execute` at batch
 1 / 64 / 256, each sequence with `--context` cached tokens, timed like bench.model_decode
 (`bench.gpu_timing.time_ms`: warm-up, L2 flush, median).
 
@@ -51,6 +52,7 @@ from typing import Any
 import torch
 
 from adapter_store.format import model_lora_shapes
+from adapter_store.model_shapes import is_routed_expert_module
 from bench.gpu_timing import copy_bandwidth, device_name, time_ms
 from bench.lora_floor import lora_step_bytes, tokens_per_slot
 from bench.model_decode import SMOKE_OVERRIDES, V2_LITE_Q_LORA, random_model, step_bytes
@@ -234,14 +236,16 @@ class Setup:
     runner: ModelRunner
     context: int
     num_slots: int
+    routed_adapters: bool = True  # the adapters target the routed experts too
 
     @property
     def model(self) -> model_module.DeepseekV3Model:
         return self.runner.model
 
 
-def fill_pool(pool: LoraPool, num_adapters: int) -> None:
-    """Random rank-`pool.max_rank` adapters on every module in slots [0, num_adapters).
+def fill_pool(pool: LoraPool, num_adapters: int, routed: bool = True) -> None:
+    """Random rank-`pool.max_rank` adapters on every module (`routed` False: every module
+    but the routed experts') in slots [0, num_adapters).
 
     The per-module ranks are what the kernels read (a module whose rank is 0 skips its
     work): set with the slot ranks, as `LoraPool.load` does from a manifest.
@@ -249,11 +253,14 @@ def fill_pool(pool: LoraPool, num_adapters: int) -> None:
     generator = torch.Generator(device=pool.device).manual_seed(1)
     with torch.no_grad():
         for layer, module in pool.module_instances():
+            targeted = routed or not is_routed_expert_module(module)
             for buffer in (pool.lora_a(layer, module), pool.lora_b(layer, module)):
-                buffer[:num_adapters].normal_(0.0, 0.02, generator=generator)
+                if targeted:
+                    buffer[:num_adapters].normal_(0.0, 0.02, generator=generator)
+            pool.rank_of(layer, module)[:num_adapters] = pool.max_rank if targeted else 0
         pool.slot_rank[:num_adapters] = pool.max_rank
-        pool.module_rank[:, :num_adapters] = pool.max_rank
     pool.slot_rank_host[:num_adapters] = [pool.max_rank] * num_adapters
+    pool.slot_routed_host[:num_adapters] = [routed] * num_adapters
 
 
 def make_setup(
@@ -263,13 +270,14 @@ def make_setup(
     batches: tuple[int, ...],
     graphs: bool,
     rank: int = RANK,
+    routed: bool = True,
 ) -> Setup:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = random_model(parse_config(hf_config), torch.device(device), dtype)
     shapes = model_lora_shapes(hf_config)
     pool_config = LoraPoolConfig(rank, dtype=dtype, device=device, max_loras=NUM_ADAPTERS)
     pool = LoraPool(shapes, NUM_ADAPTERS, pool_config)
-    fill_pool(pool, NUM_ADAPTERS)
+    fill_pool(pool, NUM_ADAPTERS, routed)
     # Enough for the largest decode batch and for the prefill step's sequences.
     pages = max(*batches, PREFILL_SEQS) * pages_for(context, PAGE_SIZE)
     runner_config = RunnerConfig(
@@ -281,7 +289,7 @@ def make_setup(
     runner = ModelRunner(model, runner_config, pool)
     if graphs:
         runner.capture_decode_graphs()
-    return Setup(runner, context, NUM_ADAPTERS)
+    return Setup(runner, context, NUM_ADAPTERS, routed)
 
 
 def case_slots(size: int, adapters: int) -> list[int]:
@@ -298,7 +306,9 @@ def decode_batch(setup: Setup, size: int, adapters: int) -> tuple[torch.Tensor, 
         pages = tuple(range(b * per_seq, (b + 1) * per_seq))
         steps.append(SequenceStep(setup.context - 1, 1, pages, lora_slot=slot))
     runner = setup.runner
-    batch = build_batch(steps, PAGE_SIZE, runner.device, runner.lora_slot_rank)
+    batch = build_batch(
+        steps, PAGE_SIZE, runner.device, runner.lora_slot_rank, runner.lora_slot_routed
+    )
     vocab = setup.model.config.vocab_size
     input_ids = torch.randint(0, vocab, (size,), device=runner.device)
     return input_ids, batch
@@ -401,7 +411,7 @@ def case_bytes(setup: Setup, size: int, adapters: int) -> tuple[float, float]:
         tokens_per_slot(case_slots(size, adapters)),
         model.config.routing.top_k,
     )
-    return base, sum(lora.values())
+    return base, lora["linear"] + (lora["routed"] if setup.routed_adapters else 0.0)
 
 
 def prefill_batch(
@@ -415,7 +425,9 @@ def prefill_batch(
         pages = tuple(range(b * per_seq, (b + 1) * per_seq))
         steps.append(SequenceStep(0, prompt_len, pages, lora_slot=slot))
     runner = setup.runner
-    batch = build_batch(steps, PAGE_SIZE, runner.device, runner.lora_slot_rank)
+    batch = build_batch(
+        steps, PAGE_SIZE, runner.device, runner.lora_slot_rank, runner.lora_slot_routed
+    )
     vocab = setup.model.config.vocab_size
     input_ids = torch.randint(0, vocab, (seqs * prompt_len,), device=runner.device)
     return input_ids, batch
@@ -522,10 +534,13 @@ def run(
     prefill: bool,
     cases: list[tuple[int, int]] | None = None,
     rank: int = RANK,
+    routed: bool = True,
 ) -> None:
     start = time.perf_counter()
     batches = tuple(sorted({size for size, _ in cases})) if cases else BATCHES
-    setup = make_setup(v2_lite_config(layers), "cuda", context, batches, graphs=False, rank=rank)
+    setup = make_setup(
+        v2_lite_config(layers), "cuda", context, batches, graphs=False, rank=rank, routed=routed
+    )
     bandwidth = copy_bandwidth(torch.device("cuda"))
     cases = cases or default_cases(batches, setup.num_slots)
     measured = {}
@@ -551,6 +566,7 @@ def run(
         "context": context,
         "rank": rank,
         "num_adapters": NUM_ADAPTERS,
+        "adapter_modules": "all" if routed else "all but the routed experts",
         "copy_bandwidth_bytes_per_s": bandwidth,
         "variants": measured,
         "goals": {"decode_overhead": GOAL_OVERHEAD, "moe_ratio": GOAL_MOE_RATIO},
@@ -637,6 +653,11 @@ def main() -> None:
     )
     parser.add_argument("--rank", type=int, default=RANK, help="the adapters' (and pool's) rank")
     parser.add_argument(
+        "--no-routed",
+        action="store_true",
+        help="adapters on every module but the routed experts (what most MoE fine-tunes train)",
+    )
+    parser.add_argument(
         "--prefill",
         action="store_true",
         help=f"also a prefill step of {PREFILL_SEQS} prompts of --context tokens (eager)",
@@ -654,6 +675,7 @@ def main() -> None:
             args.prefill,
             args.cases,
             args.rank,
+            not args.no_routed,
         )
     else:
         parser.error("give --out or --smoke")

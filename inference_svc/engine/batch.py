@@ -10,6 +10,7 @@ expanded from their cached latent rows (`kernels.mla_prefill`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,11 +102,13 @@ def build_batch(
     page_size: int,
     device: torch.device | str,
     lora_slot_rank: torch.Tensor | None = None,
+    lora_slot_routed: Sequence[bool] | None = None,
 ) -> BatchMetadata:
     """Lay out a step's sequences (decodes first) into one `BatchMetadata`.
 
     lora_slot_rank: the LoRA pool's per-slot rank tensor; needed when a sequence has a
-    `lora_slot`.
+    `lora_slot`. lora_slot_routed: the pool's per-slot "targets the routed experts"
+    (`LoraBatch.routed_experts`; None: every adapter does).
 
     The token layout is computed with array operations (no Python work per token) and
     reaches the device in one copy: this runs on the host every step while the GPU waits.
@@ -131,7 +134,7 @@ def build_batch(
             raise ValueError("a sequence uses a LoRA slot but the batch has no LoRA pool")
         lora = build_lora_batch(
             [s.lora_slot for s in seqs], query_lens, num_decodes,
-            lora_slot_rank, device, context_lens, groups,
+            lora_slot_rank, device, context_lens, groups, lora_slot_routed,
         )  # fmt: skip
 
     context_rows, context_start = _context_rows(num_decodes, context_lens, table, page_size)

@@ -244,8 +244,11 @@ class LLMEngine:
 
     def _execute(self, scheduled: list[ScheduledSeq]) -> Tensor:
         steps = [self._sequence_step(s) for s in scheduled]
-        batch = build_batch(steps, self.page_size, self.device, self.runner.lora_slot_rank)
-        return self.runner.execute(self._input_ids(scheduled), batch)  # [L, V]
+        runner = self.runner
+        batch = build_batch(
+            steps, self.page_size, self.device, runner.lora_slot_rank, runner.lora_slot_routed
+        )
+        return runner.execute(self._input_ids(scheduled), batch)  # [L, V]
 
     def _input_ids(self, scheduled: list[ScheduledSeq]) -> Tensor:
         """int64 [T] token ids of the step: known ones from the host, pending ones gathered

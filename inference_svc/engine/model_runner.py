@@ -5,9 +5,12 @@ CUDA graphs of the decode step for a set of batch sizes: a decode-only batch of 
 largest captured size is padded to the next captured size and replayed.
 
 With a LoRA slot pool, each size is captured twice: without LoRA (steps in which no
-sequence uses an adapter do no LoRA work) and with it. A LoRA graph owns fixed-size segment
-buffers that each replay rewrites in place; its kernels were captured with grids sized
-from the buffers' capacity, so a replay may hold any mix of adapters.
+sequence uses an adapter do no LoRA work) and with it; on an MoE model a third time, with
+LoRA everywhere but the routed experts, for steps none of whose adapters targets them
+(`LoraBatch.routed_experts`: most MoE fine-tunes leave the experts alone). A LoRA graph
+owns fixed-size segment buffers that each replay rewrites in place; its kernels were
+captured with grids sized from the buffers' capacity, so a replay may hold any mix of
+adapters.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from inference_svc.engine.batch import BatchMetadata
 from inference_svc.engine.kv_pages import KVCache, KVCacheConfig
 from inference_svc.lora.attach import attach_lora_pool
-from inference_svc.lora.batch import LoraBatch
+from inference_svc.lora.batch import LoraBatch, LoraScope
 from inference_svc.lora.pool import LoraPool
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
 from kernels.decode_inputs import DecodeInputs, pad_decode_inputs, set_decode_inputs
@@ -73,12 +76,17 @@ class ModelRunner:
         self.lora_pool = lora_pool
         if lora_pool is not None:
             attach_lora_pool(model, lora_pool)
-        self._graphs: dict[tuple[int, bool], _DecodeGraph] = {}  # by (size, with LoRA)
+        self._graphs: dict[tuple[int, LoraScope], _DecodeGraph] = {}  # by (size, scope)
 
     @property
     def lora_slot_rank(self) -> torch.Tensor | None:
         """The pool's per-slot ranks, for `build_batch` (None without a pool)."""
         return None if self.lora_pool is None else self.lora_pool.slot_rank
+
+    @property
+    def lora_slot_routed(self) -> list[bool] | None:
+        """The pool's per-slot "targets the routed experts", for `build_batch`."""
+        return None if self.lora_pool is None else self.lora_pool.slot_routed_host
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
@@ -95,11 +103,13 @@ class ModelRunner:
             return None
         if batch.page_table.shape[1] > self.config.max_pages_per_seq:
             return None
-        with_lora = batch.lora is not None
-        fitting = [s for s, lora in self._graphs if lora == with_lora and s >= batch.num_seqs]
-        return self._graphs[min(fitting), with_lora] if fitting else None
+        scope = LoraScope.of(batch.lora)
+        if scope is LoraScope.NOT_ROUTED and all(k is not scope for _, k in self._graphs):
+            scope = LoraScope.ALL  # a pool without routed experts: one LoRA graph per size
+        fitting = [s for s, k in self._graphs if k is scope and s >= batch.num_seqs]
+        return self._graphs[min(fitting), scope] if fitting else None
 
-    def _static_lora_batch(self, size: int, lora_pool: LoraPool) -> LoraBatch:
+    def _static_lora_batch(self, size: int, lora_pool: LoraPool, scope: LoraScope) -> LoraBatch:
         """Segment buffers of a captured LoRA decode step, describing `size` base tokens."""
         config = LoraSegmentsConfig(max_tokens=size, num_slots=lora_pool.num_slots)
         segs = allocate_lora_segments(config, self.device)
@@ -108,10 +118,11 @@ class ModelRunner:
         # Warm up with the grid the capture uses (the capacity; the padding segments are
         # empty), so that Triton compiles every variant before capturing, not during it.
         segs.num_live_segments = segs.max_segments
-        return LoraBatch(segs, segs, no_slots, no_slots)
+        routed = scope is LoraScope.ALL
+        return LoraBatch(segs, segs, no_slots, no_slots, routed_experts=routed)
 
     def _static_decode_batch(
-        self, size: int, lora_pool: LoraPool | None
+        self, size: int, lora_pool: LoraPool | None, scope: LoraScope = LoraScope.NONE
     ) -> tuple[DecodeInputs, BatchMetadata]:
         """Inputs of a padding-only decode batch: token 0 at position 0 with one cached token,
         every row reading/writing the scratch page."""
@@ -129,7 +140,9 @@ class ModelRunner:
             query_lens=(1,) * size,
             context_lens_host=(1,) * size,
             page_size=self.config.page_size,
-            lora=self._static_lora_batch(size, lora_pool) if lora_pool is not None else None,
+            lora=(
+                self._static_lora_batch(size, lora_pool, scope) if lora_pool is not None else None
+            ),
         )
         inputs = _decode_inputs(torch.empty(size, dtype=torch.int64, device=device), batch)
         pad_decode_inputs(inputs, self.kv_cache.scratch_page, self.config.page_size)
@@ -141,10 +154,15 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
         pool = None
-        variants = [None] if self.lora_pool is None else [None, self.lora_pool]
+        scopes = [LoraScope.NONE]
+        if self.lora_pool is not None:
+            scopes.append(LoraScope.ALL)
+            if self.lora_pool.holds_routed_experts:
+                scopes.append(LoraScope.NOT_ROUTED)
         for size in sorted(self.config.cuda_graph_batch_sizes, reverse=True):
-            for lora_pool in variants:
-                inputs, batch = self._static_decode_batch(size, lora_pool)
+            for scope in scopes:
+                lora_pool = None if scope is LoraScope.NONE else self.lora_pool
+                inputs, batch = self._static_decode_batch(size, lora_pool, scope)
                 # Warm up outside the graph: Triton compiles and autotunes here.
                 self.model.compute_logits(self.model(inputs.input_ids, batch, self.kv_cache))
                 torch.cuda.synchronize()
@@ -153,8 +171,7 @@ class ModelRunner:
                     hidden = self.model(inputs.input_ids, batch, self.kv_cache)
                     logits = self.model.lm_head(hidden)
                 pool = graph.pool()
-                with_lora = lora_pool is not None
-                self._graphs[size, with_lora] = _DecodeGraph(size, graph, inputs, batch, logits)
+                self._graphs[size, scope] = _DecodeGraph(size, graph, inputs, batch, logits)
 
     def release_decode_graphs(self) -> None:
         """Drop the captured graphs (and their memory pool) so they can be captured anew."""

@@ -12,6 +12,7 @@ interleaved batch stays exact but makes more, shorter segments.
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ class LoraBatch:
         group's cached context rows laid end to end, each row with its sequence's slot:
         prefill expands K/V (kv_b) from whole contexts, which `tokens` does not describe.
         None for a group in which no sequence uses an adapter.
+    routed_experts: whether an adapter of the step targets the routed experts. When none
+        does, their LoRA deltas are all zero and the MoE layers run the no-LoRA path (its
+        one-token folds, no pair kernels); a CUDA graph of that path serves such steps.
     """
 
     tokens: LoraSegments
@@ -44,6 +48,22 @@ class LoraBatch:
     token_slots: tuple[int, ...]
     seq_slots: tuple[int, ...]
     context_rows: tuple[LoraSegments | None, ...] = ()
+    routed_experts: bool = True
+
+
+class LoraScope(enum.Enum):
+    """The LoRA a step runs: none, every module's, or every module's but the routed
+    experts' (ModelRunner captures a decode graph per scope)."""
+
+    NONE = "none"
+    ALL = "all"
+    NOT_ROUTED = "not_routed"
+
+    @classmethod
+    def of(cls, lora: LoraBatch | None) -> LoraScope:
+        if lora is None:
+            return cls.NONE
+        return cls.ALL if lora.routed_experts else cls.NOT_ROUTED
 
 
 def build_lora_batch(
@@ -54,6 +74,7 @@ def build_lora_batch(
     device: torch.device | str,
     context_lens: Sequence[int] = (),
     prefill_groups: Sequence[tuple[int, int]] = (),
+    slot_routed: Sequence[bool] | None = None,
 ) -> LoraBatch | None:
     """The LoRA metadata of a step, or None when no sequence uses an adapter (then no layer
     does any LoRA work).
@@ -66,6 +87,8 @@ def build_lora_batch(
             the device, no host sync).
         context_lens: cached tokens per sequence after this step (prefill K/V rows).
         prefill_groups: [first, end) sequence ranges whose contexts are expanded together.
+        slot_routed: per slot, whether its adapter targets the routed experts (the pool's
+            host mirror); None: assume every adapter does.
     """
     if len(seq_slots) != len(query_lens):
         raise ValueError(f"{len(seq_slots)} slots for {len(query_lens)} sequences")
@@ -83,7 +106,10 @@ def build_lora_batch(
         _context_segments(seq_slots[b0:b1], context_lens[b0:b1], slot_rank, device)
         for b0, b1 in prefill_groups
     )
-    return LoraBatch(tokens, decode_tokens, token_slots, tuple(seq_slots), context_rows)
+    routed = slot_routed is None or any(
+        slot_routed[slot] for slot in set(seq_slots) if slot != NO_SLOT
+    )
+    return LoraBatch(tokens, decode_tokens, token_slots, tuple(seq_slots), context_rows, routed)
 
 
 def _token_slots(seq_slots: Sequence[int], query_lens: Sequence[int]) -> tuple[int, ...]:

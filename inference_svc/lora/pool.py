@@ -64,6 +64,7 @@ from adapter_store.format import (
     module_key,
     tensor_name,
 )
+from adapter_store.model_shapes import is_routed_expert_module
 from inference_svc.lora.packing import PackedAdapter, PackRun, SlotPacking, staging_chunks
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,11 @@ class LoraPoolConfig:
         if self.lora_memory_fraction is not None:
             return "lora_memory_fraction"
         return None
+
+
+def targets_routed_experts(manifest: Manifest) -> bool:
+    """Whether the adapter has LoRA on a routed-expert module."""
+    return any(is_routed_expert_module(module) for _, module in manifest.modules)
 
 
 def buffer_shapes(
@@ -262,6 +268,9 @@ class LoraPool:
         )
         # Host mirror of slot_rank, for building batch metadata without a device read.
         self.slot_rank_host = [0] * num_slots
+        # Host: whether each slot's adapter targets the routed experts. A step none of whose
+        # adapters does runs its MoE layers without LoRA (`LoraBatch.routed_experts`).
+        self.slot_routed_host = [False] * num_slots
         self.packing = SlotPacking.for_shapes(shapes, self.dtype)
         self.staging_half = staging_elements(
             shapes, self.max_rank, self.dtype, config.staging_bytes
@@ -299,6 +308,11 @@ class LoraPool:
     def module_instances(self) -> list[tuple[int, str]]:
         """(layer, module) of every module instance the pool holds."""
         return list(self._a)
+
+    @property
+    def holds_routed_experts(self) -> bool:
+        """Whether the pool has routed-expert modules (an MoE base model)."""
+        return any(is_routed_expert_module(module) for _, module in self._a)
 
     def check_compatible(self, adapter: CanonicalAdapter) -> None:
         """Raise FailedPrecondition when the adapter cannot go into this pool (rank above
@@ -369,6 +383,7 @@ class LoraPool:
             self.module_rank[:, slot].copy_(ranks)
             event = self._record()
         self.slot_rank_host[slot] = r
+        self.slot_routed_host[slot] = targets_routed_experts(adapter.manifest)
         return SlotLoad(slot, event)
 
     def _module_ranks(self, manifest: Manifest) -> Tensor:
@@ -471,6 +486,7 @@ class LoraPool:
             self.module_rank[:, slot] = 0
             event = self._record()
         self.slot_rank_host[slot] = 0
+        self.slot_routed_host[slot] = False
         return SlotLoad(slot, event)
 
     def _zero_slot(self, slot: int) -> None:

@@ -100,11 +100,14 @@ class DecoderLayer(nn.Module):
         # The router's float32 input, written by the norm's launch (no conversion launch).
         x_float = h.new_empty(h.shape, dtype=torch.float32) if ROUTER_INPUT_FROM_NORM else None
         h, x = self.post_attn_norm.add_then_norm(h, (attn,), x_float)
+        # No adapter of the step targets the routed experts: their deltas are zero, so the
+        # MoE runs its no-LoRA path (LoraBatch.routed_experts).
+        moe_lora = lora if batch.lora is not None and batch.lora.routed_experts else None
         if self.mlp is None:
-            return h, (self.moe(x, lora, combine=False, x_float=x_float),)
+            return h, (self.moe(x, moe_lora, combine=False, x_float=x_float),)
         side = shared_experts_stream(x.device)
         if side is None or x.shape[0] > SHARED_EXPERTS_STREAM_MAX_TOKENS:
-            routed = self.moe(x, lora, combine=False, x_float=x_float)
+            routed = self.moe(x, moe_lora, combine=False, x_float=x_float)
             return h, (routed, self.mlp(x, lora))
         routing = None
         if x.shape[0] >= ROUTE_BEFORE_FORK_MIN_TOKENS or (
@@ -112,7 +115,7 @@ class DecoderLayer(nn.Module):
             and x_float is not None
             and self.moe.gate.runs_gemv(x_float)
         ):
-            routing = self.moe.route(x, x_float, lora)
+            routing = self.moe.route(x, x_float, moe_lora)
         # Memory stays ordered without record_stream: x is freed on this stream after the
         # join below, and `shared` (made on the side stream) is read by the next norm on
         # this stream before the side stream next forks from it and could reuse its block.
@@ -120,7 +123,7 @@ class DecoderLayer(nn.Module):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             shared = self.mlp(x, lora)
-        routed = self.moe(x, lora, combine=False, x_float=x_float, routing=routing)
+        routed = self.moe(x, moe_lora, combine=False, x_float=x_float, routing=routing)
         main.wait_stream(side)
         return h, (routed, shared)
 

@@ -70,6 +70,21 @@ def test_reload_zeroes_what_the_new_adapter_does_not_fill() -> None:
     assert pool.slot_rank_host[0] == 4
 
 
+def test_the_host_knows_which_slots_target_the_routed_experts() -> None:
+    """`slot_routed_host`, which the batch builder reads: set by a load from the manifest's
+    modules, cleared by a load without routed-expert modules and by unload."""
+    pool = _pool()
+    assert pool.holds_routed_experts
+    pool.load(0, random_adapter(_config(), 8, seed=6))
+    pool.load(1, random_adapter(_config(), 8, modules=["attn.q_b", "mlp.down"], seed=7))
+    pool.load(2, random_adapter(_config(), 8, modules=["moe.down"], seed=8))
+    assert pool.slot_routed_host == [True, False, True]
+    pool.load(2, random_adapter(_config(), 8, modules=["attn.o", "mlp.gate_up"], seed=9))
+    assert pool.slot_routed_host == [True, False, False]
+    pool.unload(0)
+    assert pool.slot_routed_host == [False, False, False]
+
+
 def test_unload_zeroes_the_slot_only() -> None:
     pool = _pool()
     first, second = (random_adapter(_config(), 8, seed=s) for s in (4, 5))

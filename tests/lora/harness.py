@@ -111,7 +111,10 @@ class Scenario:
             ids += seq.tokens[seq.cached : total]
             members.append((seq, n))
         device = self.runner.device
-        batch = build_batch(steps, PAGE_SIZE, device, self.runner.lora_slot_rank)
+        runner = self.runner
+        batch = build_batch(
+            steps, PAGE_SIZE, device, runner.lora_slot_rank, runner.lora_slot_routed
+        )
         logits = self.runner.execute(torch.tensor(ids, device=device), batch)
         row = 0
         for seq, n in members:

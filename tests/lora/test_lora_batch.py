@@ -43,6 +43,18 @@ def test_slot_outside_the_pool_is_an_error():
         build_batch([_step(3, 3)], 4, "cpu", RANKS)
 
 
+def test_the_batch_says_whether_an_adapter_targets_the_routed_experts():
+    """`routed_experts` from the slots the step's sequences use (the base model's -1 and
+    the other slots do not count); without the pool's mirror every adapter is assumed to."""
+    routed = [True, False, True]  # slot 2 last: the base model's -1 must not index it
+    seqs = [_step(1, 1), _step(1, -1), _step(3, 1)]
+    assert build_batch(seqs, 4, "cpu", RANKS, routed).lora.routed_experts is False
+    assert build_batch(seqs, 4, "cpu", RANKS).lora.routed_experts is True
+    seqs.append(_step(2, 0))
+    assert build_batch(seqs, 4, "cpu", RANKS, routed).lora.routed_experts is True
+    assert build_lora_batch([1, 0], [1, 1], 2, RANKS, "cpu", slot_routed=routed).routed_experts
+
+
 def test_mixed_step_gets_separate_decode_segments():
     # Decode of slot 2, then prefills of slot 2 (adjacent: one run across the boundary),
     # base, slot 0.

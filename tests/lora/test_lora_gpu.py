@@ -85,6 +85,46 @@ def test_cuda_graph_decode_replay_with_lora_equals_eager(tiny_model_dirs, dtype,
         assert diff.item() <= tol, f"slot {eager_seq.slot}: graph vs eager {diff.item():.2e}"
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_steps_without_routed_expert_adapters_replay_their_own_graph(tiny_model_dirs, dtype, tol):
+    """Decode steps none of whose adapters targets the routed experts replay the graph
+    captured without the MoE LoRA (LoraScope.NOT_ROUTED), the others the full LoRA graph;
+    both equal eager steps. The adapter on the experts (slot 1) ends first."""
+    from inference_svc.lora.batch import LoraScope
+
+    runners = []
+    for sizes in ((), (1, 2, 4, 8)):
+        runner = make_runner(
+            tiny_model_dirs[SPEC], SPEC, num_slots=4, max_rank=16, device="cuda", dtype=dtype,
+            cuda_graph_sizes=sizes,
+        )  # fmt: skip
+        _, attention_only = peft_case(SPEC, rank=8, seed=26, target_parameters=None)
+        _, with_experts = peft_case(SPEC, rank=4, seed=27)
+        runner.lora_pool.load(2, attention_only).wait_on()
+        runner.lora_pool.load(1, with_experts).wait_on()
+        runners.append(runner)
+    eager, graphed = runners
+    scopes = []
+    replay = graphed._replay
+
+    def recorded(graph, input_ids, batch):  # type: ignore[no-untyped-def]
+        scopes.append(LoraScope.of(graph.batch.lora))
+        return replay(graph, input_ids, batch)
+
+    graphed._replay = recorded
+    tokens = random_tokens([9, 12, 7, 10], seed=28)
+    slots = [2, -1, 1, 2]
+    runs = []
+    for runner in (eager, graphed):
+        scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
+        scenario.run([4, 5, 3, 6])
+        runs.append(scenario.seqs)
+    assert LoraScope.ALL in scopes and LoraScope.NOT_ROUTED in scopes, scopes
+    for eager_seq, graph_seq in zip(*runs, strict=True):
+        diff = (torch.stack(eager_seq.logprobs) - torch.stack(graph_seq.logprobs)).abs().max()
+        assert diff.item() <= tol, f"slot {eager_seq.slot}: graph vs eager {diff.item():.2e}"
+
+
 @pytest.mark.parametrize("graphs", [(), (1, 2, 4, 8)], ids=["eager", "graphs"])
 @pytest.mark.parametrize("side", ["lora", "shared_experts"])
 def test_side_streams_equal_the_same_kernels_in_order(tiny_model_dirs, monkeypatch, graphs, side):

@@ -238,6 +238,40 @@ def _recording(launcher, rows: list[int]):  # type: ignore[no-untyped-def]
     return run
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_steps_without_routed_expert_adapters_skip_the_moe_lora(spec, tiny_model_dirs, monkeypatch):
+    """A step none of whose adapters targets the routed experts runs the MoE without LoRA
+    (`LoraBatch.routed_experts`), and still equals peft; a step with one that does runs the
+    MoE LoRA for the whole step, its attention-only neighbour included."""
+    from inference_svc.layers import moe
+
+    moe_lora_calls = []
+    for name in ("add_moe_gate_up", "add_moe_down", "start_moe_lora"):
+        launcher = getattr(moe, name)
+
+        def counted(*args, _launcher=launcher, _name=name, **kwargs):
+            moe_lora_calls.append(_name)
+            return _launcher(*args, **kwargs)
+
+        monkeypatch.setattr(moe, name, counted)
+    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=8)
+    attention_only = peft_case(spec, rank=4, seed=21, target_parameters=None)
+    with_experts = peft_case(spec, rank=8, seed=22)
+    for slot, (_, adapter) in enumerate((attention_only, with_experts)):
+        runner.lora_pool.load(slot, adapter)
+    base = build_tiny_model(spec)
+    (tokens,) = random_tokens([9], seed=23)
+    alone = Scenario(runner, [Seq(tokens, 0)])
+    alone.run([6])
+    assert moe_lora_calls == []
+    _check(alone, [attention_only[0]], base=base)
+    both = Scenario(runner, [Seq(tokens, 0), Seq(tokens, 1)])
+    both.step([6, 6])
+    assert moe_lora_calls
+    both.run()
+    _check(both, [attention_only[0], with_experts[0]], base=base)
+
+
 @pytest.mark.parametrize(
     "kernels", ["reference", "reference_in_gemm", "triton", "triton_runs", "triton_in_gemm"]
 )
