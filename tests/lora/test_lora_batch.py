@@ -8,7 +8,7 @@ import torch
 from adapter_store.format import model_lora_shapes
 from inference_svc.engine.batch import SequenceStep, build_batch, prefill_groups
 from inference_svc.engine.model_runner import ModelRunner, RunnerConfig
-from inference_svc.lora.batch import build_lora_batch
+from inference_svc.lora.batch import LoraScope, build_lora_batch
 from inference_svc.lora.pool import LoraPool, LoraPoolConfig
 from inference_svc.model.config import parse_config
 from inference_svc.model.loader import build_model
@@ -152,3 +152,26 @@ def test_attach_gives_every_module_its_layer_buffers():
 def test_attach_refuses_a_pool_of_another_model(pool_spec, dtype, message):
     with pytest.raises(ValueError, match=message):
         ModelRunner(_model("v3_q_lora"), RunnerConfig(num_pages=4), _pool(pool_spec, dtype))
+
+
+def test_a_decode_step_replays_the_graph_of_its_lora_scope():
+    """The smallest captured size of the step's scope: no LoRA, LoRA on every module, or LoRA
+    off the routed experts (`LoraBatch.routed_experts`), whose steps take the full LoRA
+    graph where none was captured for them (a pool without routed-expert modules)."""
+    pool = _pool("v3_q_lora")
+    runner = ModelRunner(_model("v3_q_lora"), RunnerConfig(num_pages=8), pool)
+    graphs = {(size, scope): object() for size in (1, 4) for scope in LoraScope}
+    runner._graphs = dict(graphs)
+    routed = [True, False]
+
+    def graph(*slots: int, decode: bool = True):  # type: ignore[no-untyped-def]
+        steps = [_step(1 if decode else 3, slot) for slot in slots]
+        return runner._graph_for(build_batch(steps, 4, "cpu", pool.slot_rank, routed))
+
+    assert graph(-1, -1) is graphs[4, LoraScope.NONE]
+    assert graph(1, 0) is graphs[4, LoraScope.ALL]
+    assert graph(1) is graphs[1, LoraScope.NOT_ROUTED]
+    assert graph(1, -1) is graphs[4, LoraScope.NOT_ROUTED]
+    assert graph(1, decode=False) is None
+    del runner._graphs[1, LoraScope.NOT_ROUTED], runner._graphs[4, LoraScope.NOT_ROUTED]
+    assert graph(1) is graphs[1, LoraScope.ALL]
