@@ -31,6 +31,7 @@ from adapter_store.errors import InvalidArgument
 from adapter_store.model_shapes import (
     CANONICAL_MODULES,
     ModuleShape,
+    is_routed_expert_module,
     iter_layer_modules,
     model_lora_shapes,
     shape_at,
@@ -199,6 +200,12 @@ class Manifest:
         """(layer, module) of every module instance the adapter has."""
         return [_parse_module_key(key) for key in self.module_ranks]
 
+    @property
+    def targets_routed_experts(self) -> bool:
+        """Whether the adapter has LoRA on a routed-expert module (read from its modules, not
+        from `moe_layout`, which a reader does not check against them)."""
+        return any(is_routed_expert_module(module) for _, module in self.modules)
+
 
 @dataclass
 class CanonicalAdapter:
@@ -214,7 +221,7 @@ class CanonicalAdapter:
         lora_B = self.tensors[tensor_name(layer, module, "lora_B")].float()
         slices = self.manifest.module_slices[module_key(layer, module)]
         r = self.manifest.rank
-        if module.startswith("moe."):
+        if is_routed_expert_module(module):
             if expert is None:
                 experts = max(lora_A.shape[0], lora_B.shape[0])
                 return torch.stack([self.delta_weight(layer, module, e) for e in range(experts)])
@@ -244,7 +251,7 @@ def validate_tensors(manifest: Manifest, tensors: Mapping[str, torch.Tensor]) ->
         lora_A = tensors[tensor_name(layer, module, "lora_A")]
         lora_B = tensors[tensor_name(layer, module, "lora_B")]
         slices = manifest.module_slices[key]
-        expert_dims = 1 if module.startswith("moe.") else 0
+        expert_dims = 1 if is_routed_expert_module(module) else 0
         for name, tensor in ((f"{key}.lora_A", lora_A), (f"{key}.lora_B", lora_B)):
             if tensor.dtype != dtype or tensor.dim() != 2 + expert_dims:
                 raise InvalidArgument(

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from adapter_store.format import CANONICAL_MODULES, CanonicalAdapter, Manifest, serialize
+from adapter_store.model_shapes import is_routed_expert_module
 from adapter_store.synthetic import random_adapter
 from bench.fp8_experts import EXPERT_WEIGHTS, fp8_block, quantize_routed_experts
 from bench.lora_decode_overhead import v2_lite_config
@@ -70,7 +71,7 @@ HOST_ARENA_GB = 5.0
 # but the routed experts (MLA, dense and shared-expert MLP: what most MoE fine-tunes train).
 ADAPTER_MODULES = {
     "all": None,
-    "no-routed": tuple(m for m in CANONICAL_MODULES if not m.startswith("moe.")),
+    "no-routed": tuple(m for m in CANONICAL_MODULES if not is_routed_expert_module(m)),
 }
 
 

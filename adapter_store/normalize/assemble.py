@@ -9,6 +9,7 @@ import torch
 
 from adapter_store.errors import InvalidArgument
 from adapter_store.format import CANONICAL_MODULES, ModuleShape, module_key, shape_at, tensor_name
+from adapter_store.model_shapes import is_routed_expert_module
 from adapter_store.normalize.pieces import LoraPiece
 
 
@@ -23,7 +24,7 @@ class CanonicalTensors:
 def moe_layout_of(pieces: Sequence[LoraPiece]) -> str:
     """ "shared_outer" when every routed-expert piece shares gate_up's A and down's B across
     experts (leading dim 1); "per_expert" for any other MoE LoRA; "none" without MoE LoRA."""
-    moe = [p for p in pieces if p.target.module.startswith("moe.")]
+    moe = [p for p in pieces if is_routed_expert_module(p.target.module)]
     if not moe:
         return "none"
     shared = all(

@@ -110,7 +110,8 @@ class ModelRunner:
         return self._graphs[min(fitting), scope] if fitting else None
 
     def _static_lora_batch(self, size: int, lora_pool: LoraPool, scope: LoraScope) -> LoraBatch:
-        """Segment buffers of a captured LoRA decode step, describing `size` base tokens."""
+        """Segment buffers of a captured LoRA decode step of `scope` (ALL or NOT_ROUTED),
+        describing `size` base tokens."""
         config = LoraSegmentsConfig(max_tokens=size, num_slots=lora_pool.num_slots)
         segs = allocate_lora_segments(config, self.device)
         no_slots = (NO_SLOT,) * size
@@ -122,7 +123,7 @@ class ModelRunner:
         return LoraBatch(segs, segs, no_slots, no_slots, routed_experts=routed)
 
     def _static_decode_batch(
-        self, size: int, lora_pool: LoraPool | None, scope: LoraScope = LoraScope.NONE
+        self, size: int, scope: LoraScope
     ) -> tuple[DecodeInputs, BatchMetadata]:
         """Inputs of a padding-only decode batch: token 0 at position 0 with one cached token,
         every row reading/writing the scratch page."""
@@ -141,7 +142,9 @@ class ModelRunner:
             context_lens_host=(1,) * size,
             page_size=self.config.page_size,
             lora=(
-                self._static_lora_batch(size, lora_pool, scope) if lora_pool is not None else None
+                None
+                if self.lora_pool is None or scope is LoraScope.NONE
+                else self._static_lora_batch(size, self.lora_pool, scope)
             ),
         )
         inputs = _decode_inputs(torch.empty(size, dtype=torch.int64, device=device), batch)
@@ -161,8 +164,7 @@ class ModelRunner:
                 scopes.append(LoraScope.NOT_ROUTED)
         for size in sorted(self.config.cuda_graph_batch_sizes, reverse=True):
             for scope in scopes:
-                lora_pool = None if scope is LoraScope.NONE else self.lora_pool
-                inputs, batch = self._static_decode_batch(size, lora_pool, scope)
+                inputs, batch = self._static_decode_batch(size, scope)
                 # Warm up outside the graph: Triton compiles and autotunes here.
                 self.model.compute_logits(self.model(inputs.input_ids, batch, self.kv_cache))
                 torch.cuda.synchronize()

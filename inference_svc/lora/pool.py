@@ -124,11 +124,6 @@ class LoraPoolConfig:
         return None
 
 
-def targets_routed_experts(manifest: Manifest) -> bool:
-    """Whether the adapter has LoRA on a routed-expert module."""
-    return any(is_routed_expert_module(module) for _, module in manifest.modules)
-
-
 def buffer_shapes(
     shape: ModuleShape, num_slots: int, max_rank: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -383,7 +378,7 @@ class LoraPool:
             self.module_rank[:, slot].copy_(ranks)
             event = self._record()
         self.slot_rank_host[slot] = r
-        self.slot_routed_host[slot] = targets_routed_experts(adapter.manifest)
+        self.slot_routed_host[slot] = adapter.manifest.targets_routed_experts
         return SlotLoad(slot, event)
 
     def _module_ranks(self, manifest: Manifest) -> Tensor:
