@@ -87,6 +87,15 @@ class AdapterResidency:
         with self._lock:
             return key in self._fetching
 
+    def has_free_host_room(self, adapter: AdapterBinding) -> bool:
+        """Whether `adapter` fits the host cache beside its entries and the downloads in
+        flight without evicting anything (a download made ahead of need must not push out
+        an entry that a nearer request is about to use)."""
+        stats = self.host_cache.metrics()
+        with self._lock:
+            fetching = sum(self.bindings[key].size_bytes for key in self._fetching)
+        return stats.bytes_used + fetching + adapter.size_bytes <= stats.capacity_bytes
+
     def take_failure(self, key: AdapterKey) -> LoraserveError | None:
         """The error of `key`'s failed download (cleared: the next request retries)."""
         with self._lock:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 
 from adapter_store.errors import ResourceExhausted
@@ -107,9 +107,13 @@ class LoraSlotAllocator:
         slot = self._lru.get(key)
         return slot is not None and self._slots[slot].pinned
 
-    def can_allocate(self, key: AdapterKey) -> bool:
-        """Whether `acquire(key)` would succeed now."""
-        return key in self._lru or bool(self._free) or self._victim() is not None
+    def can_allocate(
+        self, key: AdapterKey, wanted: Collection[AdapterKey] = (), evict_wanted: bool = True
+    ) -> bool:
+        """Whether `acquire(key, wanted, evict_wanted)` would succeed now."""
+        return (
+            key in self._lru or bool(self._free) or self._victim(wanted, evict_wanted) is not None
+        )
 
     def resident(self) -> list[tuple[AdapterKey, int]]:
         """(key, slot) of every resident adapter, least recently used first."""
@@ -130,17 +134,21 @@ class LoraSlotAllocator:
 
     # -- request references ---------------------------------------------------------------
 
-    def acquire(self, key: AdapterKey) -> SlotHandle:
+    def acquire(
+        self, key: AdapterKey, wanted: Collection[AdapterKey] = (), evict_wanted: bool = True
+    ) -> SlotHandle:
         """Take a reference to `key`'s slot, assigning (and maybe evicting) one if needed.
 
-        Raises ResourceExhausted when every slot is referenced, pinned or loading; check
+        wanted: adapters that waiting requests need; the least recently used evictable
+        adapter outside it goes first, one inside it only when no other is left and
+        `evict_wanted` allows. Raises ResourceExhausted when no slot can be had; check
         `can_allocate` first to keep the request waiting instead.
         """
         slot = self._lru.get(key)
         evicted = None
         needs_load = slot is None
         if slot is None:
-            slot, evicted = self._take_slot()
+            slot, evicted = self._take_slot(wanted, evict_wanted)
             self._misses += 1
             self._slots[slot] = _Slot(key, next(self._ids))
             self._loads += 1
@@ -214,17 +222,25 @@ class LoraSlotAllocator:
             raise KeyError(f"adapter {key!r} has no LoRA slot")
         return slot
 
-    def _victim(self) -> AdapterKey | None:
-        """The least recently used evictable key, or None."""
-        return next((key for key, slot in self._lru.items() if self._slots[slot].evictable), None)
+    def _victim(self, wanted: Collection[AdapterKey], evict_wanted: bool) -> AdapterKey | None:
+        """The least recently used evictable key outside `wanted`, else (`evict_wanted`) the
+        least recently used evictable one, else None."""
+        evictable = [key for key, slot in self._lru.items() if self._slots[slot].evictable]
+        unwanted = next((key for key in evictable if key not in wanted), None)
+        if unwanted is not None or not evict_wanted:
+            return unwanted
+        return evictable[0] if evictable else None
 
-    def _take_slot(self) -> tuple[int, AdapterKey | None]:
+    def _take_slot(
+        self, wanted: Collection[AdapterKey], evict_wanted: bool
+    ) -> tuple[int, AdapterKey | None]:
         if self._free:
             return self._free.pop(), None
-        victim = self._victim()
+        victim = self._victim(wanted, evict_wanted)
         if victim is None:
             raise ResourceExhausted(
-                f"all {self.max_loras} LoRA slots are in use by running, pinned or loading adapters"
+                f"all {self.max_loras} LoRA slots are in use by running, pinned or loading "
+                "adapters" + ("" if evict_wanted else " or wanted by waiting requests")
             )
         slot = self._lru.pop(victim)
         del self._slots[slot]

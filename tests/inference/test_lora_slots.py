@@ -57,6 +57,24 @@ def test_referenced_slot_is_never_evicted() -> None:
     assert slots.slot_of("c") == c.slot
 
 
+def test_adapters_that_waiting_requests_want_are_evicted_last() -> None:
+    """A copy evicts the least recently used adapter nobody waits for before an older one
+    that a waiting request needs; a look-ahead copy (`evict_wanted=False`) evicts none of
+    those, and an admitted request's copy takes the least recently used wanted one last."""
+    slots = LoraSlotAllocator(2)
+    slots.release(_loaded(slots, "wanted"))  # the least recently used
+    slots.release(_loaded(slots, "idle"))
+    assert slots.acquire("c", wanted={"wanted"}).evicted == "idle"
+    slots.release(slots.acquire("c"))
+    slots.mark_loaded("c")
+    both = {"wanted", "c"}
+    assert not slots.can_allocate("d", both, evict_wanted=False)
+    with pytest.raises(ResourceExhausted, match="or wanted by waiting requests"):
+        slots.acquire("d", both, evict_wanted=False)
+    assert slots.can_allocate("d", both)
+    assert slots.acquire("d", both).evicted == "wanted"
+
+
 def test_pinned_slot_survives_until_unpinned() -> None:
     slots = LoraSlotAllocator(1)
     slots.release(_loaded(slots, "a"))

@@ -58,8 +58,8 @@ class FakeSource(OwnedTensorsSource):
         return random_adapter(HF_CONFIG, 4, seed=hash(adapter.name) % 1000, modules=["attn.o"])
 
 
-def binding(name: str) -> AdapterBinding:
-    return AdapterBinding("default", name, 1, 4, "0" * 64, 1000, "tiny")
+def binding(name: str, size_bytes: int = 1000) -> AdapterBinding:
+    return AdapterBinding("default", name, 1, 4, "0" * 64, size_bytes, "tiny")
 
 
 def make_scheduler(
@@ -88,7 +88,9 @@ def make_scheduler(
 _ids = iter(range(10**6))
 
 
-def seq(adapter: str | None = None, prompt_len: int = 6, max_new: int = 4) -> Sequence:
+def seq(
+    adapter: str | None = None, prompt_len: int = 6, max_new: int = 4, adapter_bytes: int = 1000
+) -> Sequence:
     tokenizer = ByteTokenizer(eos_token_ids=(1,))
     return Sequence(
         f"r{next(_ids)}",
@@ -96,7 +98,7 @@ def seq(adapter: str | None = None, prompt_len: int = 6, max_new: int = 4) -> Se
         GenerationParams(max_new_tokens=max_new),
         tokenizer,
         (),
-        None if adapter is None else binding(adapter),
+        None if adapter is None else binding(adapter, adapter_bytes),
     )
 
 
@@ -329,6 +331,66 @@ def test_unload_refused_while_the_slot_copy_is_in_flight(monkeypatch) -> None:
     copy.land()
     assert scheduler.unload(waiting.adapter_key)  # landed, nobody running on it yet
     assert scheduler.slots.metrics().referenced == 0
+
+
+def running_request(scheduler: Scheduler, adapter: str | None = None) -> Sequence:
+    """A request admitted and decoding, long enough to outlast the test's steps."""
+    running = seq(adapter, max_new=200)
+    scheduler.add(running)
+    settle(scheduler)
+    assert running.status is SequenceStatus.RUNNING
+    return running
+
+
+def test_waiting_adapters_are_loaded_while_the_batch_is_full() -> None:
+    """The one seat is taken (its adapter holds one of the two slots): the nearest waiting
+    adapter is fetched and copied into the free slot meanwhile and starts in the first step
+    with room. The next one is fetched but gets no slot: the look-ahead does not evict an
+    adapter a waiting request needs (or the two would evict each other step after step).
+    The third lies past the horizon (as many adapters as slots) and is not fetched."""
+    scheduler, source, _ = make_scheduler(num_slots=2, max_num_seqs=1)
+    running = running_request(scheduler, "held")
+    nearest, later, last = seq("nearest"), seq("later"), seq("last")
+    for s in (nearest, later, last):
+        scheduler.add(s)
+    for _ in range(100):
+        complete(scheduler, scheduler.schedule())
+        if scheduler.slots.is_ready(nearest.adapter_key) and "later" in source.fetched:
+            break
+        threading.Event().wait(0.01)
+    for _ in range(5):
+        complete(scheduler, scheduler.schedule())
+    assert running.status is SequenceStatus.RUNNING
+    assert all(s.status is SequenceStatus.WAITING for s in (nearest, later, last))
+    assert scheduler.slots.is_ready(nearest.adapter_key)
+    assert scheduler.slots.slot_of(later.adapter_key) is None
+    assert sorted(source.fetched) == ["held", "later", "nearest"]
+    assert (scheduler.slots.metrics().loads, scheduler.slots.metrics().evictions) == (2, 0)
+    scheduler.finish(running, FinishReason.CANCELLED)
+    out = scheduler.schedule()
+    assert [s.seq for s in out.scheduled] == [nearest]
+    complete(scheduler, out)
+    drain(scheduler)
+    assert all(s.finish_reason is FinishReason.LENGTH for s in (nearest, later, last))
+
+
+def test_a_look_ahead_fetch_takes_only_free_host_cache_room() -> None:
+    """A waiting adapter larger than the host cache's free room is not fetched ahead (that
+    would evict entries nearer requests may need); it is fetched once its request can
+    start."""
+    scheduler, source, _ = make_scheduler(max_num_seqs=1)
+    capacity = scheduler.residency.host_cache.config.capacity_bytes
+    running = running_request(scheduler)
+    large = seq("large", adapter_bytes=capacity + 1)
+    scheduler.add(large)
+    for _ in range(20):
+        complete(scheduler, scheduler.schedule())
+        threading.Event().wait(0.005)
+    assert large.status is SequenceStatus.WAITING
+    assert not scheduler.residency.fetching() and "large" not in source.fetched
+    scheduler.finish(running, FinishReason.CANCELLED)
+    drain(scheduler)
+    assert large.finish_reason is FinishReason.LENGTH and source.fetched == ["large"]
 
 
 def test_preemption_frees_the_youngest_and_recomputes_it() -> None:
