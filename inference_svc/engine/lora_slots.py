@@ -9,7 +9,9 @@ holds the buffers and this decides the slot indices. A slot is in one of three s
 
 Every running request that uses an adapter holds a `SlotHandle` (a reference). A slot with
 references, a pinned slot and a slot whose load is in flight are never evicted; among the
-others the least recently used one is evicted when a new adapter needs a slot. Exactly one
+others the least recently used one is evicted when a new adapter needs a slot, except that
+adapters the caller names as wanted by waiting requests go only after all others (and, for a
+look-ahead copy, not at all). Exactly one
 `acquire` of a key that is not resident returns `needs_load=True`: that caller starts the
 copy and later calls `mark_loaded` (or `mark_load_failed`).
 """
