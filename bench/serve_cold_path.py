@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -33,7 +34,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,59 @@ async def open_client(address: str) -> StoreClient:
     return StoreClient(address, timeout_s=600)
 
 
+@dataclass
+class StoredAdapter:
+    """The stack of `stored_adapter` and the adapter it holds."""
+
+    adapter: AdapterBinding
+    s3_endpoint_url: str
+    store_address: str
+    client: StoreClient
+    loop: EventLoopThread
+    peft_bytes: int
+    upload_s: float
+
+
+@contextlib.contextmanager
+def stored_adapter(root: Path, hf_config: dict[str, Any]) -> Iterator[StoredAdapter]:
+    """A real `redis-server`, `weed server -s3` and the store on loopback, with a rank-16
+    all-module PEFT adapter of `hf_config`'s shape uploaded (normalized into S3) as "cold";
+    all stopped on exit. SeaweedFS takes any credentials; the clients need some."""
+    for key, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
+                       ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+        os.environ.setdefault(key, value)
+    peft_bytes = v2_lite_peft_folder(root / "peft", hf_config)
+    redis = RedisServer(root / "redis").start()
+    s3 = SeaweedS3Server(root / "s3").start()
+    store = ServiceProcess(
+        "adapter_store",
+        ["--redis-url", redis.url, "--s3-endpoint-url", s3.endpoint_url, "--s3-bucket", BUCKET],
+        root / "store",
+    ).start()
+    loop = EventLoopThread()
+    client = loop.run(open_client(store.address))
+    try:
+        loop.run(client.register_base_model(BASE_MODEL, json.dumps(hf_config)))
+        started = time.perf_counter()
+        record = loop.run(
+            client.upload_dir(root / "peft", name="cold", base_model=BASE_MODEL, dtype="bfloat16")
+        )
+        upload_s = time.perf_counter() - started
+        adapter = AdapterBinding(
+            record.tenant, record.name, record.version, record.rank, record.sha256,
+            record.size_bytes, record.base_model, record.parts_sha256,
+        )  # fmt: skip
+        yield StoredAdapter(
+            adapter, s3.endpoint_url, store.address, client, loop, peft_bytes, upload_s
+        )
+    finally:
+        loop.run(client.close())
+        loop.stop()
+        store.stop()
+        s3.stop()
+        redis.stop()
+
+
 def time_fetches(
     sources: dict[str, AdapterSource], adapter: AdapterBinding, repeats: int
 ) -> dict[str, list[float]]:
@@ -131,20 +186,27 @@ def time_fetches(
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
+    box_plot(
+        path,
+        results["seconds"],
+        "ms from host-cache miss to adapter in host memory",
+        f"cold path S3 → host, {results['adapter_bytes'] / 1e6:.0f} MB adapter, "
+        f"{results['repeats']} runs each ({results['machine']})",
+    )
+
+
+def box_plot(path: Path, seconds: dict[str, list[float]], ylabel: str, title: str) -> None:
+    """One box per named list of durations (seconds, drawn in ms), saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(results["seconds"])
+    names = list(seconds)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.boxplot([[s * 1e3 for s in results["seconds"][n]] for n in names], tick_labels=names)
-    ax.set_ylabel("ms from host-cache miss to adapter in host memory")
-    ax.set_title(
-        f"cold path S3 → host, {results['adapter_bytes'] / 1e6:.0f} MB adapter, "
-        f"{results['repeats']} runs each ({results['machine']})",
-        fontsize=9,
-    )
+    ax.boxplot([[s * 1e3 for s in seconds[n]] for n in names], tick_labels=names)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -162,43 +224,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     repeats = 2 if args.smoke else args.repeats
     hf_config = SMOKE_CONFIG if args.smoke else V2_LITE
-    for key, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
-                       ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
-        os.environ.setdefault(key, value)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        peft_bytes = v2_lite_peft_folder(root / "peft", hf_config)
-        redis = RedisServer(root / "redis").start()
-        s3 = SeaweedS3Server(root / "s3").start()
-        store = ServiceProcess(
-            "adapter_store",
-            ["--redis-url", redis.url, "--s3-endpoint-url", s3.endpoint_url,
-             "--s3-bucket", BUCKET],
-            root / "store",
-        ).start()  # fmt: skip
-        loop = EventLoopThread()
-        client = loop.run(open_client(store.address))
+    with tempfile.TemporaryDirectory() as tmp, stored_adapter(Path(tmp), hf_config) as stored:
         fetchers: list[S3AdapterFetcher] = []
         try:
-            loop.run(client.register_base_model(BASE_MODEL, json.dumps(hf_config)))
-            started = time.perf_counter()
-            record = loop.run(
-                client.upload_dir(
-                    root / "peft", name="cold", base_model=BASE_MODEL, dtype="bfloat16"
-                )
-            )
-            upload_s = time.perf_counter() - started
-            adapter = AdapterBinding(
-                record.tenant, record.name, record.version, record.rank, record.sha256,
-                record.size_bytes, record.base_model, record.parts_sha256,
-            )  # fmt: skip
             sources: dict[str, AdapterSource] = {}
             for concurrency in args.concurrency:
                 fetcher = S3AdapterFetcher(
                     S3FetchConfig(
                         BUCKET,
-                        s3.endpoint_url,
+                        stored.s3_endpoint_url,
                         part_size=args.part_mib * MIB,
                         concurrency=concurrency,
                     )
@@ -206,16 +241,14 @@ def main(argv: list[str] | None = None) -> None:
                 fetchers.append(fetcher)
                 sources[f"s3 x{concurrency}"] = S3Source(fetcher)
                 sources[f"s3 x{concurrency} whole"] = WholeFileDigestSource(fetcher)
-            sources["store FetchAdapter"] = StoreFetchSource(client, store.address, loop.loop)
-            seconds = time_fetches(sources, adapter, repeats)
+            sources["store FetchAdapter"] = StoreFetchSource(
+                stored.client, stored.store_address, stored.loop.loop
+            )
+            seconds = time_fetches(sources, stored.adapter, repeats)
         finally:
             for fetcher in fetchers:
                 fetcher.close()
-            loop.run(client.close())
-            loop.stop()
-            store.stop()
-            s3.stop()
-            redis.stop()
+    adapter, peft_bytes, upload_s = stored.adapter, stored.peft_bytes, stored.upload_s
 
     results = {
         "benchmark": "serve_cold_path",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import serve_cold_path, serve_offline, serve_online, summary
+from bench import queued_cold_adapter, serve_cold_path, serve_offline, serve_online, summary
 from bench.serve_setup import ServeBenchConfig, add_engine_args
 
 
@@ -204,6 +204,22 @@ def test_serve_cold_path_smoke(tmp_path: Path) -> None:
     table = summary.render(summary.lines(tmp_path, out, tmp_path / "no_floor.json"))
     assert "store FetchAdapter → host" in table
     assert "not run" in table  # no GPU results in this folder: shown as such, never made up
+
+
+def test_queued_cold_adapter_smoke(tmp_path: Path) -> None:
+    """Both arms run against the real stack; the scheduler's look-ahead is restored after."""
+    from inference_svc.engine.scheduler import Scheduler
+
+    look_ahead = Scheduler._load_ahead
+    out = tmp_path / "queued.json"
+    queued_cold_adapter.main(["--out", str(out), "--smoke", "--run-steps", "20"])
+    results = json.loads(out.read_text())
+    for arm in ("look-ahead", "without"):
+        assert len(results["after_seat_s"][arm]) == 2
+        waits = zip(results["after_seat_s"][arm], results["from_arrival_s"][arm], strict=True)
+        assert all(0 < after_seat <= from_arrival for after_seat, from_arrival in waits)
+    assert Scheduler._load_ahead is look_ahead
+    assert out.with_suffix(".png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("flags,slots", [([], 64), (["--max-loras", "128"], 128)])
