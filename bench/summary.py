@@ -5,7 +5,7 @@ prints one table: target, goal, measured, met. A benchmark that did not run show
 "not run"; nothing is filled in from elsewhere.
 
     python3 -m bench.summary bench/results/latest [--cold docs/bench/serve_cold_path.json]
-        [--floor bench/results/serve_floor_cpu.json]
+        [--floor bench/results/serve_floor_cpu.json] [--queued docs/bench/queued_cold_adapter.json]
 """
 
 from __future__ import annotations
@@ -146,6 +146,8 @@ OFFLINE_RUNS = {
     "serve_offline_noroute": "rank 16, adapters off the routed experts",
     "serve_offline_resident": "rank 16, adapters in GPU slots at the start",
 }
+# The CPU machine's queued-request probe (bench/queued_cold_adapter.py).
+QUEUED_FILE = Path("docs/bench/queued_cold_adapter.json")
 # Cold-adapter probes: file stem -> the load they ran under.
 COLD_RUNS = {"serve_online": "under load", "serve_cold_idle": "idle engine"}
 
@@ -218,13 +220,28 @@ def cold_path_lines(cold_file: Path, results: Path) -> Iterator[Line]:
         yield _at_most("TTFT added by a cold adapter from S3, p50 estimate (ms)", 100.0, added)
 
 
-def lines(results: Path, cold_file: Path, floor_file: Path) -> list[Line]:
+def queued_lines(queued_file: Path) -> Iterator[Line]:
+    """A request queued behind a full batch whose adapter is cold in S3 (CPU machine,
+    bench/queued_cold_adapter.py): its wait once its seat frees, with the scheduler's
+    look-ahead downloading the adapter while it queues."""
+    queued = _load(queued_file)
+    name = "TTFT added by an S3-cold adapter to a queued request, after its seat, p50 (ms)"
+    if queued is None:
+        yield _missing(name, "≤ 100")
+        return
+    yield _at_most(name, 100.0, queued["stats"]["look-ahead after_seat_s"]["p50_ms"])
+
+
+def lines(
+    results: Path, cold_file: Path, floor_file: Path, queued_file: Path = QUEUED_FILE
+) -> list[Line]:
     return [
         *sgmv_lines(results),
         *decode_lines(results),
         *slot_load_lines(results),
         *serving_lines(results, floor_file),
         *cold_path_lines(cold_file, results),
+        *queued_lines(queued_file),
     ]
 
 
@@ -240,8 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("results", type=Path, nargs="?", default=Path("bench/results/latest"))
     parser.add_argument("--cold", type=Path, default=Path("docs/bench/serve_cold_path.json"))
     parser.add_argument("--floor", type=Path, default=Path("bench/results/serve_floor_cpu.json"))
+    parser.add_argument("--queued", type=Path, default=QUEUED_FILE)
     args = parser.parse_args(argv)
-    print(render(lines(args.results, args.cold, args.floor)))
+    print(render(lines(args.results, args.cold, args.floor, args.queued)))
 
 
 if __name__ == "__main__":

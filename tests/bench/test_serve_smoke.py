@@ -220,6 +220,10 @@ def test_queued_cold_adapter_smoke(tmp_path: Path) -> None:
         assert all(0 < after_seat <= from_arrival for after_seat, from_arrival in waits)
     assert Scheduler._load_ahead is look_ahead
     assert out.with_suffix(".png").stat().st_size > 0
+    table = summary.render(summary.lines(tmp_path, tmp_path / "none.json", tmp_path, out))
+    p50 = results["stats"]["look-ahead after_seat_s"]["p50_ms"]
+    row = f"queued request, after its seat, p50 (ms) ≤ 100 {p50:.3g} yes"
+    assert row in " ".join(table.split())
 
 
 @pytest.mark.parametrize("flags,slots", [([], 64), (["--max-loras", "128"], 128)])
