@@ -374,6 +374,26 @@ def test_waiting_adapters_are_loaded_while_the_batch_is_full() -> None:
     assert all(s.finish_reason is FinishReason.LENGTH for s in (nearest, later, last))
 
 
+def test_a_queued_request_whose_adapter_is_gone_fails_before_its_seat_frees() -> None:
+    """The look-ahead's download finds the adapter missing while the batch is still full:
+    the queued request gets its NotFound then, not after waiting for a seat."""
+    scheduler, _, _ = make_scheduler(max_num_seqs=1)
+    running = running_request(scheduler)
+    gone = seq("missing-2")
+    scheduler.add(gone)
+    failures = []
+    for _ in range(100):
+        out = scheduler.schedule()
+        failures += out.failed
+        complete(scheduler, out)
+        if failures:
+            break
+        threading.Event().wait(0.01)
+    assert [(s.request_id, type(e)) for s, e in failures] == [(gone.request_id, NotFound)]
+    assert running.status is SequenceStatus.RUNNING
+    assert gone.finish_reason is FinishReason.ERROR
+
+
 def test_a_look_ahead_fetch_takes_only_free_host_cache_room() -> None:
     """A waiting adapter larger than the host cache's free room is not fetched ahead (that
     would evict entries nearer requests may need); it is fetched once its request can
