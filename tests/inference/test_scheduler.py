@@ -123,6 +123,20 @@ def settle(scheduler: Scheduler) -> SchedulerOutput:
     raise AssertionError("downloads did not finish")
 
 
+def step_collecting_failures(scheduler: Scheduler, done) -> list:  # type: ignore[no-untyped-def]
+    """Step (downloads are threads) until `done(failures so far)`; the (request, error)
+    pairs the steps reported."""
+    failures: list = []
+    for _ in range(100):
+        out = scheduler.schedule()
+        failures += out.failed
+        complete(scheduler, out)
+        if done(failures):
+            break
+        threading.Event().wait(0.01)
+    return failures
+
+
 def drain(scheduler: Scheduler) -> None:
     for _ in range(1000):
         if not scheduler.has_work():
@@ -381,14 +395,7 @@ def test_a_queued_request_whose_adapter_is_gone_fails_before_its_seat_frees() ->
     running = running_request(scheduler)
     gone = seq("missing-2")
     scheduler.add(gone)
-    failures = []
-    for _ in range(100):
-        out = scheduler.schedule()
-        failures += out.failed
-        complete(scheduler, out)
-        if failures:
-            break
-        threading.Event().wait(0.01)
+    failures = step_collecting_failures(scheduler, lambda failed: bool(failed))
     assert [(s.request_id, type(e)) for s, e in failures] == [(gone.request_id, NotFound)]
     assert running.status is SequenceStatus.RUNNING
     assert gone.finish_reason is FinishReason.ERROR
@@ -518,14 +525,9 @@ def test_failed_download_fails_its_waiters_only() -> None:
     fine = seq("present")
     for s in [*lost, fine]:
         scheduler.add(s)
-    failures = []
-    for _ in range(100):
-        out = scheduler.schedule()
-        failures += out.failed
-        complete(scheduler, out)
-        if fine.is_finished and len(failures) == 2:
-            break
-        threading.Event().wait(0.01)
+    failures = step_collecting_failures(
+        scheduler, lambda failed: fine.is_finished and len(failed) == 2
+    )
     assert {s.request_id for s, _ in failures} == {s.request_id for s in lost}
     assert all(isinstance(e, NotFound) for _, e in failures)
     assert fine.finish_reason is FinishReason.LENGTH
