@@ -10,7 +10,10 @@ from kernels.lora_segments import (
     LoraSegmentsConfig,
     allocate_lora_segments,
     build_lora_segments,
+    gather_segment_ranks,
+    gather_segment_ranks_ref,
 )
+from tests.fixtures.triton_interpret import kernel_device
 
 
 def _live(segs):  # type: ignore[no-untyped-def]
@@ -187,3 +190,115 @@ def test_pair_tokens_are_made_once_per_step_and_top_k():
     assert segs.pair_tokens(3) is tokens
     assert segs.with_slot_rank(torch.tensor([4, 0], dtype=torch.int32)).pair_tokens(3) is tokens
     assert segs.pair_tokens(2).tolist() == [t for t in range(5) for _ in range(2)]
+
+
+# ---- each segment's rank, per module instance -------------------------------------------
+
+
+def _expected_ranks(segs, sources: torch.Tensor, columns: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """sources[i, seg_slot[s]] per column s, 0 for slot -1 or a segment without tokens."""
+    indptr, seg_slot = segs.seg_indptr.tolist(), segs.seg_slot.tolist()
+    return [
+        [
+            int(row[seg_slot[s]]) if seg_slot[s] >= 0 and indptr[s + 1] > indptr[s] else 0
+            for s in range(columns)
+        ]
+        for row in sources.tolist()
+    ]
+
+
+def test_each_segment_gets_its_slots_rank_and_each_module_instances() -> None:
+    """Row 0 of the table is the segments' rank under the slot ranks, row 1 + m under module
+    instance m's (0 where the adapter does not target it); `for_module` reads its row."""
+    slot_rank = torch.tensor([4, 0, 8], dtype=torch.int32)
+    module_rank = torch.tensor([[4, 0, 0], [2, 0, 8]], dtype=torch.int32)
+    segs = build_lora_segments([2, 2, 0, -1, -1, 2, 1], slot_rank, module_rank=module_rank)
+    assert segs.seg_slot[: segs.num_live_segments].tolist() == [2, 0, -1, 2, 1]
+    assert segs.rank_table.tolist() == [[8, 4, 0, 8, 0], [0, 4, 0, 0, 0], [8, 2, 0, 8, 0]]
+    assert segs.seg_rank.tolist() == [8, 4, 0, 8, 0]
+    module = segs.for_module(module_rank[1], 1)
+    assert module.seg_rank.tolist() == [8, 2, 0, 8, 0]
+    assert module.slot_rank is not segs.slot_rank and module.seg_slot is segs.seg_slot
+    assert segs.for_module(module_rank[0], 0).seg_rank.tolist() == [0, 4, 0, 0, 0]
+    # Without module ranks a module's view gathers its own: the same values.
+    plain = build_lora_segments([2, 2, 0, -1, -1, 2, 1], slot_rank)
+    assert plain.rank_table.shape == (1, 5)
+    assert plain.for_module(module_rank[1], 1).seg_rank.tolist() == [8, 2, 0, 8, 0]
+
+
+def test_a_rebuild_into_fixed_buffers_regathers_every_rank_row() -> None:
+    """What a replayed graph reads: the new batch's ranks, and the module ranks as they are
+    at the rebuild (a slot loaded in between); padding segments read rank 0."""
+    slot_rank = torch.tensor([4, 8], dtype=torch.int32)
+    module_rank = torch.tensor([[4, 8], [4, 0]], dtype=torch.int32)
+    config = LoraSegmentsConfig(max_tokens=6, num_slots=2)
+    segs = allocate_lora_segments(config, "cpu", module_rank)
+    table = segs.rank_table.data_ptr()
+    view = segs.for_module(module_rank[1], 1)
+    build_lora_segments([0, 1, 1, 0, 0, 1], slot_rank, module_rank=module_rank, out=segs)
+    assert segs.rank_table.tolist() == [[4, 8, 4, 8, 0, 0], [4, 8, 4, 8, 0, 0], [4, 0, 4, 0, 0, 0]]
+    module_rank[1, 1] = 16
+    build_lora_segments([1, 1, -1], slot_rank, module_rank=module_rank, out=segs)
+    assert segs.rank_table.data_ptr() == table, "a captured graph must keep seeing the same table"
+    assert view.seg_rank.tolist() == [16, 0, 0, 0, 0, 0]
+    assert segs.seg_rank.tolist() == [8, 0, 0, 0, 0, 0]
+
+
+def test_an_eager_build_gathers_the_live_segments_only() -> None:
+    segs = build_lora_segments(
+        [0] * 40 + [1] * 3, [4, 8], module_rank=torch.ones(3, 2, dtype=torch.int32)
+    )
+    assert segs.num_live_segments == 4 and segs.rank_table.shape == (4, 4)
+
+
+def test_segment_ranks_reject_what_does_not_fit() -> None:
+    module_rank = torch.tensor([[4, 8]], dtype=torch.int32)
+    segs = build_lora_segments([0, 1], [4, 8], module_rank=module_rank)
+    with pytest.raises(ValueError, match="module rank row"):
+        segs.for_module(module_rank[0].clone(), 0)
+    with pytest.raises(ValueError, match="module rank row"):
+        segs.for_module(module_rank[0], 1)
+    fixed = allocate_lora_segments(
+        LoraSegmentsConfig(max_tokens=2, num_slots=2), "cpu", module_rank
+    )
+    with pytest.raises(ValueError, match="1 module instances, module_rank has 2"):
+        build_lora_segments(
+            [0], [4, 8], module_rank=torch.zeros(2, 2, dtype=torch.int32), out=fixed
+        )
+    with pytest.raises(ValueError, match=r"module_rank \(1, 3\)"):
+        gather_segment_ranks_ref(
+            segs, segs.slot_rank, torch.zeros(1, 3, dtype=torch.int32), segs.rank_table
+        )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_rank_gather_kernel_matches_its_reference(seed: int) -> None:
+    """The Triton gather (interpreted on the CPU) over a capacity of padding segments, a
+    slot -1 and more columns than one program's block."""
+    _check_rank_gather(seed, kernel_device())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_the_compiled_rank_gather_matches_its_reference(seed: int) -> None:
+    _check_rank_gather(seed, "cuda")
+
+
+def _check_rank_gather(seed: int, device: str) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    capacity, num_slots, modules = (300, 5, 3) if seed % 2 else (20, 3, 2)
+    slot_rank = torch.randint(0, 65, (num_slots,), generator=gen, dtype=torch.int32)
+    module_rank = torch.randint(0, 65, (modules, num_slots), generator=gen, dtype=torch.int32)
+    config = LoraSegmentsConfig(max_tokens=capacity, num_slots=num_slots)
+    segs = allocate_lora_segments(config, device, module_rank.to(device))
+    slots = _random_slots(gen, capacity - seed * 7, num_slots)
+    build_lora_segments(slots, slot_rank.to(device), module_rank=module_rank.to(device), out=segs)
+    got = torch.full_like(segs.rank_table, -7)
+    sources = (slot_rank.to(device), module_rank.to(device))
+    gather_segment_ranks(segs, *sources, got)
+    want = torch.full_like(got, -7)
+    gather_segment_ranks_ref(segs, *sources, want)
+    assert torch.equal(got, want)
+    assert got.tolist() == _expected_ranks(
+        segs, torch.cat([slot_rank[None], module_rank]), capacity
+    )
