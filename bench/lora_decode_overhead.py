@@ -307,9 +307,8 @@ def decode_batch(setup: Setup, size: int, adapters: int) -> tuple[torch.Tensor, 
         steps.append(SequenceStep(setup.context - 1, 1, pages, lora_slot=slot))
     runner = setup.runner
     batch = build_batch(
-        steps, PAGE_SIZE, runner.device, runner.lora_slot_rank, runner.lora_slot_routed,
-        runner.lora_module_rank,
-    )  # fmt: skip
+        steps, PAGE_SIZE, runner.device, runner.lora_slot_rank, runner.lora_slot_routed
+    )
     vocab = setup.model.config.vocab_size
     input_ids = torch.randint(0, vocab, (size,), device=runner.device)
     return input_ids, batch
@@ -427,9 +426,8 @@ def prefill_batch(
         steps.append(SequenceStep(0, prompt_len, pages, lora_slot=slot))
     runner = setup.runner
     batch = build_batch(
-        steps, PAGE_SIZE, runner.device, runner.lora_slot_rank, runner.lora_slot_routed,
-        runner.lora_module_rank,
-    )  # fmt: skip
+        steps, PAGE_SIZE, runner.device, runner.lora_slot_rank, runner.lora_slot_routed
+    )
     vocab = setup.model.config.vocab_size
     input_ids = torch.randint(0, vocab, (seqs * prompt_len,), device=runner.device)
     return input_ids, batch

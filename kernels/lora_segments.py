@@ -10,11 +10,6 @@ All tensors live in fixed-size device buffers so that a decode step can be captu
 CUDA graph and replayed with another batch: the builder rewrites them in place with one
 non-blocking host→device copy (no sync). Entries past the live counts are padded so that
 they describe empty segments / slot -1 tokens, which every kernel skips.
-
-Each segment's rank is gathered once per step, for the batch's slot ranks and for every
-module instance's (`module_rank`, a pool's [instances, slots]), by one launch after the
-copy: a kernel then reads a segment's slot and its rank side by side, instead of the rank
-only once the slot has arrived (one dependent DRAM round trip fewer before its weights).
 """
 
 from __future__ import annotations
@@ -29,8 +24,6 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.host_math import cdiv
-from kernels.launch import fast
-from kernels.pdl import grid_dependency_control
 
 NO_SLOT = -1
 
@@ -65,9 +58,6 @@ class LoraSegments:
     seg_indptr: Tensor  # int32 [max_segments + 1], token offsets; padded with num_tokens
     seg_slot: Tensor  # int32 [max_segments], slot of each segment, -1 = no adapter
     slot_rank: Tensor  # int32 [num_slots], true rank of each slot's adapter, 0 = empty
-    # int32 [≥ live segments]: slot_rank[seg_slot[s]], 0 where the segment does no work (slot
-    # -1 or no tokens). What the kernels read; made from slot_rank by the builder.
-    seg_rank: Tensor
     token_slot: Tensor  # int32 [max_tokens], slot per token, -1 = none (also padding)
     num_segments: Tensor  # int32 [1], live segment count on the device
     num_tokens: int  # host copy: live tokens
@@ -79,11 +69,6 @@ class LoraSegments:
     max_seg_len: int
     # Backing storage of the four per-step fields above, so the builder makes one copy.
     packed: Tensor = field(repr=False)
-    # int32 [1 + instances, ≥ live segments]: row 0 is seg_rank, row 1 + m the segments'
-    # ranks in module instance m (`module_rank[m]`), gathered with it.
-    rank_table: Tensor = field(repr=False)
-    # The [instances, num_slots] ranks rank_table's rows 1.. were gathered from (None: none).
-    module_rank: Tensor | None = field(default=None, repr=False)
     # `pair_tokens` results by (tokens, top_k): made by the first MoE layer of a step.
     _pair_tokens: dict[tuple[int, int], Tensor] = field(default_factory=dict, repr=False)
 
@@ -102,43 +87,17 @@ class LoraSegments:
 
     def with_slot_rank(self, slot_rank: Tensor) -> LoraSegments:
         """The same segments read with other per-slot ranks (e.g. one module's: 0 where a
-        slot's adapter does not target it, so its kernels skip those tokens' work). Gathers
-        their per-segment ranks (one launch); `for_module` reads the step's gathered row."""
-        self._check_slot_rank(slot_rank)
-        seg_rank = torch.empty_like(self.seg_rank)
-        _gather_ranks(self, slot_rank, None, seg_rank.unsqueeze(0))
-        return self._view(slot_rank, seg_rank)
-
-    def for_module(self, slot_rank: Tensor, row: int) -> LoraSegments:
-        """These segments as module instance `row` of `module_rank` reads them, `slot_rank`
-        being that row: its per-segment ranks as the builder gathered them (no launch)."""
-        self._check_slot_rank(slot_rank)
-        if self.module_rank is None:
-            return self.with_slot_rank(slot_rank)
-        if not (
-            0 <= row < self.module_rank.shape[0]
-            and slot_rank.data_ptr() == self.module_rank[row].data_ptr()
-        ):
-            raise ValueError(
-                f"module rank row {row} is not the slot ranks given: the segments were built "
-                f"with another pool's ranks ({tuple(self.module_rank.shape)})"
-            )
-        return self._view(slot_rank, self.rank_table[1 + row])
-
-    def _check_slot_rank(self, slot_rank: Tensor) -> None:
+        slot's adapter does not target it, so its kernels skip those tokens' work)."""
         if slot_rank.shape != self.slot_rank.shape or slot_rank.device != self.slot_rank.device:
             raise ValueError(
                 f"slot_rank {tuple(slot_rank.shape)} on {slot_rank.device} does not match the "
                 f"segments' {tuple(self.slot_rank.shape)} on {self.slot_rank.device}"
             )
-
-    def _view(self, slot_rank: Tensor, seg_rank: Tensor) -> LoraSegments:
         # A field-for-field copy without copy.copy's reduce protocol: this runs for every
         # LoRA module of every layer, each step.
         view = object.__new__(LoraSegments)
         view.__dict__.update(self.__dict__)
         view.slot_rank = slot_rank
-        view.seg_rank = seg_rank
         return view
 
     def pair_tokens(self, top_k: int) -> Tensor:
@@ -173,105 +132,15 @@ class LoraSegments:
 
 
 @triton.jit
-def load_segment(seg, seg_indptr_ptr, seg_slot_ptr, seg_rank_ptr):
+def load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr):
     """(slot, rank, first token, end token) of segment `seg` inside a kernel; rank is 0 when
-    the segment has no work (slot -1, empty padding segment or empty slot). Four loads that
-    leave together: the rank is the segment's (`LoraSegments.seg_rank`), not its slot's."""
+    the segment has no work (slot -1, empty padding segment or empty slot)."""
     slot = tl.load(seg_slot_ptr + seg)
     t_start = tl.load(seg_indptr_ptr + seg)
     t_end = tl.load(seg_indptr_ptr + seg + 1)
-    rank = tl.load(seg_rank_ptr + seg)
+    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where((slot >= 0) & (t_end > t_start), rank, 0)
     return slot, rank, t_start, t_end
-
-
-@triton.jit(do_not_specialize=["num_cols"])
-def _segment_rank_kernel(
-    seg_slot_ptr,
-    seg_indptr_ptr,
-    slot_rank_ptr,
-    module_rank_ptr,
-    out_ptr,
-    num_cols,
-    stride_m,
-    stride_o,
-    BLOCK: tl.constexpr,
-):
-    """out[0, s] from slot_rank, out[1 + m, s] from module_rank[m] (see `gather_segment_ranks`)."""
-    grid_dependency_control()
-    row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < num_cols
-    slot = tl.load(seg_slot_ptr + offs, mask=mask, other=-1)
-    live = (slot >= 0) & (
-        tl.load(seg_indptr_ptr + offs + 1, mask=mask, other=0)
-        > tl.load(seg_indptr_ptr + offs, mask=mask, other=0)
-    )
-    if row == 0:
-        rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0), mask=live, other=0)
-    else:
-        source = module_rank_ptr + (row - 1).to(tl.int64) * stride_m
-        rank = tl.load(source + tl.maximum(slot, 0), mask=live, other=0)
-    tl.store(out_ptr + row.to(tl.int64) * stride_o + offs, rank, mask=mask)
-
-
-_RANK_BLOCK = 256
-
-
-def _check_rank_sources(
-    segs: LoraSegments, slot_rank: Tensor, module_rank: Tensor | None, out: Tensor
-) -> None:
-    rows = 1 + (0 if module_rank is None else module_rank.shape[0])
-    if out.dim() != 2 or out.shape[0] != rows or out.stride(1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} must be [{rows}, n] with contiguous rows")
-    if out.shape[1] > segs.max_segments:
-        raise ValueError(f"out has {out.shape[1]} columns, the segments {segs.max_segments}")
-    if module_rank is not None and (
-        module_rank.shape[1] != slot_rank.shape[0] or module_rank.stride(1) != 1
-    ):
-        raise ValueError(
-            f"module_rank {tuple(module_rank.shape)} must be [M, {slot_rank.shape[0]}] with "
-            "contiguous rows"
-        )
-
-
-def gather_segment_ranks(
-    segs: LoraSegments, slot_rank: Tensor, module_rank: Tensor | None, out: Tensor
-) -> None:
-    """Semantics: out[0, s] = slot_rank[seg_slot[s]] and out[1 + m, s] =
-    module_rank[m, seg_slot[s]] for s < n, 0 where seg_slot[s] = -1 or segment s holds no
-    token. One launch, no host sync.
-
-    Args: slot_rank int32 [S]; module_rank int32 [M, S] (rows contiguous) or None; out
-    int32 [1 (+ M), n], n ≤ max_segments, rows contiguous.
-    """
-    _check_rank_sources(segs, slot_rank, module_rank, out)
-    num_cols = out.shape[1]
-    if num_cols == 0:
-        return
-    source = slot_rank.unsqueeze(0) if module_rank is None else module_rank
-    fast(_segment_rank_kernel)[(out.shape[0], cdiv(num_cols, _RANK_BLOCK))](
-        segs.seg_slot, segs.seg_indptr, slot_rank, source, out, num_cols, source.stride(0),
-        out.stride(0), BLOCK=_RANK_BLOCK,
-    )  # fmt: skip
-
-
-def gather_segment_ranks_ref(
-    segs: LoraSegments, slot_rank: Tensor, module_rank: Tensor | None, out: Tensor
-) -> None:
-    """Torch reference of `gather_segment_ranks` (what the builder runs on the CPU)."""
-    _check_rank_sources(segs, slot_rank, module_rank, out)
-    num_cols = out.shape[1]
-    sources = slot_rank[None] if module_rank is None else torch.cat([slot_rank[None], module_rank])
-    slot = segs.seg_slot[:num_cols]
-    live = (slot >= 0) & (segs.seg_indptr[1 : num_cols + 1] > segs.seg_indptr[:num_cols])
-    out.copy_(torch.where(live, sources[:, slot.clamp(min=0).long()], 0))
-
-
-def _gather_ranks(
-    segs: LoraSegments, slot_rank: Tensor, module_rank: Tensor | None, out: Tensor
-) -> None:
-    gather = gather_segment_ranks if out.is_cuda else gather_segment_ranks_ref
-    gather(segs, slot_rank, module_rank, out)
 
 
 # Rank columns a kernel rounds its rank-contiguous loads up to (B rows [.., n, R]): 8 bf16 are
@@ -304,25 +173,17 @@ def live_rank_columns(slot_rank: Tensor, slot: Tensor, pool_rank: int) -> Tensor
     return torch.arange(pool_rank, device=slot.device) < rank.unsqueeze(-1)
 
 
-def allocate_lora_segments(
-    config: LoraSegmentsConfig, device: torch.device | str, module_rank: Tensor | None = None
-) -> LoraSegments:
-    """Empty-batch buffers of `config`'s capacity, to be refilled by `build_lora_segments`
-    (with `module_rank`, int32 [M, num_slots], or another of its shape: the table of every
-    module instance's segment ranks has its M rows)."""
+def allocate_lora_segments(config: LoraSegmentsConfig, device: torch.device | str) -> LoraSegments:
+    """Empty-batch buffers of `config`'s capacity, to be refilled by `build_lora_segments`."""
     packed = torch.empty(_packed_len(config), dtype=torch.int32, device=device)
     slot_rank = torch.zeros(config.num_slots, dtype=torch.int32, device=device)
-    module_rows = 0 if module_rank is None else module_rank.shape[0]
-    table = torch.zeros(1 + module_rows, config.max_segments, dtype=torch.int32, device=device)
-    out = _views(packed, config, slot_rank, table)
-    return build_lora_segments([], slot_rank, module_rank=module_rank, out=out)
+    return build_lora_segments([], slot_rank, out=_views(packed, config, slot_rank))
 
 
 def build_lora_segments(
     token_slots: Sequence[int] | Tensor | np.ndarray,
     slot_rank: Sequence[int] | Tensor,
     *,
-    module_rank: Tensor | None = None,
     out: LoraSegments | None = None,
     max_seg_len: int = 16,
     device: torch.device | str = "cpu",
@@ -339,35 +200,17 @@ def build_lora_segments(
         token_slots: host ints [T], slot per token (-1 = base model).
         slot_rank: [num_slots] true rank per slot, host ints or a tensor; a tensor on the
             output device is copied device-to-device (no sync).
-        module_rank: int32 [M, num_slots] on the output device, each module instance's
-            rank per slot (a pool's `module_rank`), or None; its segment ranks are gathered
-            into `rank_table` (`LoraSegments.for_module`). Kept by reference.
         out: preallocated buffers (see `allocate_lora_segments`), rewritten in place so a
             captured CUDA graph sees the new batch; its capacity bounds T. Without `out`,
             buffers of exactly this batch's size are allocated on `device`.
     """
     slots = torch.as_tensor(token_slots, dtype=torch.int32, device="cpu").reshape(-1).numpy()
     num_slots = slot_rank.shape[0] if isinstance(slot_rank, Tensor) else len(slot_rank)
-    module_rows = 0 if module_rank is None else module_rank.shape[0]
-    run_starts = _run_starts(slots)
-    seg_starts = _segment_starts(
-        slots.size, run_starts, max_seg_len if out is None else out.max_seg_len
-    )
     if out is None:
         config = LoraSegmentsConfig(max(slots.size, 1), num_slots, max_seg_len)
-        # Left uninitialised: the build below writes every entry of all three. The rank table
-        # covers the live segments only: kernels of an eager step read no segment past them.
+        # Left uninitialised: the build below writes every entry of both.
         packed = torch.empty(_packed_len(config), dtype=torch.int32, device=device)
-        slot_rank_copy = torch.empty(num_slots, dtype=torch.int32, device=device)
-        table = torch.empty(
-            1 + module_rows, max(seg_starts.size, 1), dtype=torch.int32, device=device
-        )
-        out = _views(packed, config, slot_rank_copy, table)
-    elif out.rank_table.shape[0] != 1 + module_rows:
-        raise ValueError(
-            f"buffers hold segment ranks of {out.rank_table.shape[0] - 1} module instances, "
-            f"module_rank has {module_rows}"
-        )
+        out = _views(packed, config, torch.empty(num_slots, dtype=torch.int32, device=device))
     config = LoraSegmentsConfig(out.max_tokens, out.slot_rank.shape[0], out.max_seg_len)
     if slots.size > config.max_tokens:
         raise ValueError(f"batch has {slots.size} tokens, buffers hold {config.max_tokens}")
@@ -376,6 +219,8 @@ def build_lora_segments(
     if slots.size and (slots.min() < NO_SLOT or slots.max() >= config.num_slots):
         raise ValueError(f"token slots must lie in [-1, {config.num_slots}), got {slots.tolist()}")
 
+    run_starts = _run_starts(slots)
+    seg_starts = _segment_starts(slots.size, run_starts, config.max_seg_len)
     # Staged in pinned memory on CUDA so that the copy is asynchronous (no host sync while
     # a captured graph's buffers are refilled).
     host = torch.empty(_packed_len(config), dtype=torch.int32, pin_memory=out.packed.is_cuda)
@@ -386,8 +231,6 @@ def build_lora_segments(
         out.slot_rank.copy_(slot_rank, non_blocking=True)
     else:
         out.slot_rank.copy_(torch.tensor(list(slot_rank), dtype=torch.int32), non_blocking=True)
-    _gather_ranks(out, out.slot_rank, module_rank, out.rank_table)
-    out.module_rank = module_rank
     out.num_tokens = slots.size
     out.num_live_segments = seg_starts.size
     out.run_tokens = _adapter_run_tokens(slots, run_starts)
@@ -463,9 +306,7 @@ def _split(packed: np.ndarray, config: LoraSegmentsConfig) -> list[np.ndarray]:
     return [packed[field] for field in _field_slices(config)]
 
 
-def _views(
-    packed: Tensor, config: LoraSegmentsConfig, slot_rank: Tensor, rank_table: Tensor
-) -> LoraSegments:
+def _views(packed: Tensor, config: LoraSegmentsConfig, slot_rank: Tensor) -> LoraSegments:
     seg_indptr, seg_slot, token_slot, num_segments = (
         packed[field] for field in _field_slices(config)
     )
@@ -473,7 +314,6 @@ def _views(
         seg_indptr=seg_indptr,
         seg_slot=seg_slot,
         slot_rank=slot_rank,
-        seg_rank=rank_table[0],
         token_slot=token_slot,
         num_segments=num_segments,
         num_tokens=0,
@@ -481,5 +321,4 @@ def _views(
         run_tokens=0.0,
         max_seg_len=config.max_seg_len,
         packed=packed,
-        rank_table=rank_table,
     )

@@ -59,7 +59,7 @@ def _mla_absorbed_lora_item(
     w2_ptr,
     seg_indptr_ptr,
     seg_slot_ptr,
-    seg_rank_ptr,
+    slot_rank_ptr,
     seg,
     head,
     IN,
@@ -90,7 +90,7 @@ def _mla_absorbed_lora_item(
     """out[t,h,:] += (x[t,h,:] · w1[slot,h]) · w2[slot,h] for one (segment, head): both
     corrections are this shape, with A and B's k / v part in the w1 / w2 roles. Without
     ACCUMULATE out is overwritten with the correction (zeros for a segment without work)."""
-    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, seg_rank_ptr)
+    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
     slot = tl.maximum(slot, 0)
     if (rank > 0) | (not ACCUMULATE):
         offs_t = t_start + tl.arange(0, BLOCK_T)
@@ -149,7 +149,7 @@ def _mla_absorbed_lora_kernel(
     w2_ptr,
     seg_indptr_ptr,
     seg_slot_ptr,
-    seg_rank_ptr,
+    slot_rank_ptr,
     num_segments_ptr,
     H,
     IN,
@@ -193,7 +193,7 @@ def _mla_absorbed_lora_kernel(
             w2_ptr,
             seg_indptr_ptr,
             seg_slot_ptr,
-            seg_rank_ptr,
+            slot_rank_ptr,
             item // H,
             item % H,
             IN,
@@ -231,7 +231,7 @@ def _mla_absorbed_lora_prefetch_kernel(
     w2_ptr,
     seg_indptr_ptr,
     seg_slot_ptr,
-    seg_rank_ptr,
+    slot_rank_ptr,
     num_segments_ptr,
     H,
     IN,
@@ -267,7 +267,7 @@ def _mla_absorbed_lora_prefetch_kernel(
     of following it. Further items (more items than programs) read theirs after."""
     item, items = tl.program_id(0), tl.load(num_segments_ptr) * H
     w1, w2, rank, t_start, t_end = _absorbed_item_weights(
-        w1_ptr, w2_ptr, seg_indptr_ptr, seg_slot_ptr, seg_rank_ptr,
+        w1_ptr, w2_ptr, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr,
         tl.where(item < items, item // H, 0), item % H, item < items, IN, OUT,
         stride_w1s, stride_w1h, stride_w1i, stride_w1r, stride_w2s, stride_w2h, stride_w2r,
         stride_w2o, BLOCK_R, BLOCK_IN, BLOCK_OUT, W1_RANK_ALIGN, W2_RANK_ALIGN,
@@ -277,7 +277,7 @@ def _mla_absorbed_lora_prefetch_kernel(
         head = next_item % H
         if next_item != item:
             w1, w2, rank, t_start, t_end = _absorbed_item_weights(
-                w1_ptr, w2_ptr, seg_indptr_ptr, seg_slot_ptr, seg_rank_ptr, next_item // H,
+                w1_ptr, w2_ptr, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, next_item // H,
                 head, True, IN, OUT, stride_w1s, stride_w1h, stride_w1i, stride_w1r, stride_w2s,
                 stride_w2h, stride_w2r, stride_w2o, BLOCK_R, BLOCK_IN, BLOCK_OUT, W1_RANK_ALIGN,
                 W2_RANK_ALIGN,
@@ -313,7 +313,7 @@ def _absorbed_item_weights(
     w2_ptr,
     seg_indptr_ptr,
     seg_slot_ptr,
-    seg_rank_ptr,
+    slot_rank_ptr,
     seg,
     head,
     live,
@@ -335,7 +335,7 @@ def _absorbed_item_weights(
 ):
     """(w1 [i, r], w2 [r, o], rank, first token, end token) of item (seg, head): whole
     tiles, zeros past the slot's rank (all zeros without work, or when not `live`)."""
-    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, seg_rank_ptr)
+    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
     rank = tl.where(live, rank, 0)
     slot = tl.maximum(slot, 0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
@@ -604,7 +604,7 @@ def _launch(
         variant = "planned"
     programs = segs.grid_segments() * num_heads
     args = (
-        x, out, w1_tensor, w2_tensor, segs.seg_indptr, segs.seg_slot, segs.seg_rank,
+        x, out, w1_tensor, w2_tensor, segs.seg_indptr, segs.seg_slot, segs.slot_rank,
     )  # fmt: skip
     dims = (num_heads, in_dim, out_dim, *x.stride(), *out.stride(), *w1_strides, *w2_strides)
     common = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -53,7 +54,7 @@ def _q_b_expand_kv_b_q_kernel(
     seg_indptr_ptr,
     seg_slot_ptr,
     qb_rank_ptr,
-    kv_seg_rank_ptr,
+    kv_rank_ptr,
     num_segments_ptr,
     H,
     D,
@@ -95,7 +96,8 @@ def _q_b_expand_kv_b_q_kernel(
         slot, qb_rank, t_start, t_end = load_segment(
             item // H, seg_indptr_ptr, seg_slot_ptr, qb_rank_ptr
         )
-        kv_rank = tl.load(kv_seg_rank_ptr + item // H)
+        kv_rank = tl.load(kv_rank_ptr + tl.maximum(slot, 0))
+        kv_rank = tl.where((slot >= 0) & (t_end > t_start), kv_rank, 0)
         slot = tl.maximum(slot, 0).to(tl.int64)
         offs_t = t_start + tl.arange(0, BLOCK_T)
         mask_t = offs_t < t_end
@@ -175,8 +177,8 @@ class QueryLora:
     """What the launch reads besides q and q_lat.
 
     y: [T, Rq] q_b's shrink (float32 or the weights' dtype); qb_B: [S, H·(D+P), Rq] q_b's
-    pool B; segs: the step's segments with q_b's ranks; kv_A: [S, Rk, C], kv_B:
-    [S, H·(D+V), Rk] kv_b's pool; kv_segs: the same segments with kv_b's ranks; nope_dim: D.
+    pool B; segs: the step's segments with q_b's per-slot ranks; kv_A: [S, Rk, C], kv_B:
+    [S, H·(D+V), Rk] kv_b's pool; kv_rank: int32 [S] kv_b's per-slot ranks; nope_dim: D.
     """
 
     y: Tensor
@@ -184,7 +186,7 @@ class QueryLora:
     segs: LoraSegments
     kv_A: Tensor
     kv_B: Tensor
-    kv_segs: LoraSegments
+    kv_rank: Tensor
     nope_dim: int
 
 
@@ -199,9 +201,8 @@ def q_b_expand_kv_b_q(q: Tensor, q_lat: Tensor, lora: QueryLora) -> None:
         q[t] += y[t, :rq] · qb_B[slot, :, :rq]ᵀ                        (q_b's LoRA expand)
         q_lat[t,h] = (q_nope[t,h] · B_k[slot,h][:, :rk]) · kv_A[slot, :rk]  (kv_b's correction)
 
-    with rq = segs.slot_rank[slot], rk = kv_segs.slot_rank[slot], q_nope[t,h] =
-    q[t, h(D+P) : h(D+P)+D] after the expand, B_k[s,h] = kv_B[s, h(D+V) : h(D+V)+D], and
-    q_lat[t] = 0 where rk is 0.
+    with rq = segs.slot_rank[slot], rk = kv_rank[slot], q_nope[t,h] = q[t, h(D+P) : h(D+P)+D]
+    after the expand, B_k[s,h] = kv_B[s, h(D+V) : h(D+V)+D], and q_lat[t] = 0 where rk is 0.
 
     Args:
         q: [T, H·(D+P)] q_b's output, updated in place.
@@ -217,8 +218,8 @@ def q_b_expand_kv_b_q(q: Tensor, q_lat: Tensor, lora: QueryLora) -> None:
     rope_dim = q.shape[1] // num_heads - nope_dim
     programs = min(segs.grid_segments() * num_heads, PROGRAMS_PER_SM * num_sms(q.device))
     fast(_q_b_expand_kv_b_q_kernel)[(programs,)](
-        y, qb_B, q, kv_A, kv_B, q_lat, segs.seg_indptr, segs.seg_slot, segs.seg_rank,
-        lora.kv_segs.seg_rank, segs.num_segments, num_heads, nope_dim, rope_dim, lat, *y.stride(),
+        y, qb_B, q, kv_A, kv_B, q_lat, segs.seg_indptr, segs.seg_slot, segs.slot_rank,
+        lora.kv_rank, segs.num_segments, num_heads, nope_dim, rope_dim, lat, *y.stride(),
         *qb_B.stride(), *q.stride(), *kv_A.stride(), kv_B.stride(0),
         kv_B.shape[1] // num_heads * kv_B.stride(1), *kv_B.stride()[1:], *q_lat.stride(),
         BLOCK_T=segs.max_seg_len, BLOCK_D=_tile(nope_dim), BLOCK_P=_tile(rope_dim),
@@ -235,7 +236,8 @@ def q_b_expand_kv_b_q_ref(q: Tensor, q_lat: Tensor, lora: QueryLora) -> None:
     _check(q, q_lat, lora)
     sgmv_expand_ref(lora.y, lora.qb_B, q, lora.segs, [0, q.shape[1]])
     q_nope = q.view(num_tokens, num_heads, -1)[:, :, : lora.nope_dim]  # [T, H, D]
-    mla_kv_b_lora_q_ref(q_nope, q_lat, lora.kv_A, lora.kv_B, lora.kv_segs, accumulate=False)
+    kv_segs = lora.segs.with_slot_rank(lora.kv_rank)
+    mla_kv_b_lora_q_ref(q_nope, q_lat, lora.kv_A, lora.kv_B, kv_segs, accumulate=False)
 
 
 def _tile(n: int) -> int:
@@ -272,10 +274,8 @@ def _check(q: Tensor, q_lat: Tensor, lora: QueryLora) -> None:
         )
     if lora.y.shape != (num_tokens, qb_B.shape[2]):
         raise ValueError(f"y {tuple(lora.y.shape)} != [{num_tokens}, {qb_B.shape[2]}]")
-    kv_segs = lora.kv_segs
-    if kv_segs.seg_slot is not lora.segs.seg_slot or kv_segs.slot_rank.shape != (kv_A.shape[0],):
+    if lora.kv_rank.shape != (kv_A.shape[0],) or lora.kv_rank.dtype != torch.int32:
         raise ValueError(
-            f"kv_segs must be the step's segments (`segs`) with kv_b's ranks of its "
-            f"{kv_A.shape[0]} slots, got {tuple(kv_segs.slot_rank.shape)} slots"
+            f"kv_rank must be int32 [{kv_A.shape[0]}], got {tuple(lora.kv_rank.shape)}"
         )
     lora.segs.require_tokens(num_tokens)

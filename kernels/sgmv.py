@@ -90,7 +90,7 @@ def _shrink_item(
     y_ptr,
     seg_indptr_ptr,
     seg_slot_ptr,
-    seg_rank_ptr,
+    slot_rank_ptr,
     seg,
     pid_sr,
     k_lo,
@@ -114,7 +114,7 @@ def _shrink_item(
 ):
     """y[seg's tokens, slice/rank block pid_sr] (+)= x[:, k_lo:k_lo+k_len] · A[slot]ᵀ;
     STACKED as in `shrink_rows` (pid_sr is 0 when it is set)."""
-    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, seg_rank_ptr)
+    slot, rank, t_start, t_end = load_segment(seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr)
     rows, rank_index, r_start = shrink_rows(pid_sr, R, BLOCK_R, STACKED)
     mask_r = rank_index < rank
     if r_start < rank:
@@ -140,7 +140,7 @@ def _sgmv_shrink_kernel(
     y_ptr,
     seg_indptr_ptr,
     seg_slot_ptr,
-    seg_rank_ptr,
+    slot_rank_ptr,
     K,
     R,
     k_per_split,
@@ -167,7 +167,7 @@ def _sgmv_shrink_kernel(
         y_ptr,
         seg_indptr_ptr,
         seg_slot_ptr,
-        seg_rank_ptr,
+        slot_rank_ptr,
         tl.program_id(0),
         tl.program_id(1),
         tl.program_id(2) * k_per_split,
@@ -198,7 +198,7 @@ def _sgmv_shrink_planned_kernel(
     y_ptr,
     seg_indptr_ptr,
     seg_slot_ptr,
-    seg_rank_ptr,
+    slot_rank_ptr,
     num_segments_ptr,
     K,
     R,
@@ -233,7 +233,7 @@ def _sgmv_shrink_planned_kernel(
             y_ptr,
             seg_indptr_ptr,
             seg_slot_ptr,
-            seg_rank_ptr,
+            slot_rank_ptr,
             item // (rank_programs * split),
             (item // split) % rank_programs,
             (item % split) * k_per_split,
@@ -259,14 +259,14 @@ def _sgmv_shrink_planned_kernel(
 
 @triton.jit
 def _expand_place(
-    item, n_blocks, seg_indptr_ptr, seg_slot_ptr, seg_rank_ptr, N, slice1_col, slice2_col,
+    item, n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, N, slice1_col, slice2_col,
     slice1_block, slice2_block, BLOCK_N: tl.constexpr, COLS_ALIGNED: tl.constexpr,
 ):  # fmt: skip
     """Where item `item` (segment item // n_blocks, column block item % n_blocks) works:
     (slot, rank, first token, end token) as `load_segment`, then (slice index, columns
     [BLOCK_N], their mask)."""
     slot, rank, t_start, t_end = load_segment(
-        item // n_blocks, seg_indptr_ptr, seg_slot_ptr, seg_rank_ptr
+        item // n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr
     )
     pid_n = item % n_blocks
     # Column blocks never straddle a slice: blocks [sliceI_block, ...) belong to slice I.
@@ -383,7 +383,7 @@ def _sgmv_expand_kernel(
     out_ptr,
     seg_indptr_ptr,
     seg_slot_ptr,
-    seg_rank_ptr,
+    slot_rank_ptr,
     num_segments_ptr,
     n_blocks,
     R,
@@ -418,7 +418,7 @@ def _sgmv_expand_kernel(
     kernel before. y and out come after the wait. Later items load theirs in turn."""
     pid = tl.program_id(0)
     slot, rank, t_start, t_end, slice_idx, offs_n, mask_n = _expand_place(
-        pid, n_blocks, seg_indptr_ptr, seg_slot_ptr, seg_rank_ptr, N, slice1_col, slice2_col,
+        pid, n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, N, slice1_col, slice2_col,
         slice1_block, slice2_block, BLOCK_N, COLS_ALIGNED,
     )  # fmt: skip
     b_first = _b_block(
@@ -435,7 +435,7 @@ def _sgmv_expand_kernel(
         last, step = tl.load(num_segments_ptr) * n_blocks, tl.num_programs(0)
         for item in range(pid + step, last, step):
             slot, rank, t_start, t_end, slice_idx, offs_n, mask_n = _expand_place(
-                item, n_blocks, seg_indptr_ptr, seg_slot_ptr, seg_rank_ptr, N, slice1_col,
+                item, n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, N, slice1_col,
                 slice2_col, slice1_block, slice2_block, BLOCK_N, COLS_ALIGNED,
             )  # fmt: skip
             _expand_item(
@@ -615,7 +615,7 @@ def sgmv_shrink(
     block_r, stacked = shrink_rank_tile(num_slices, pool_rank)
     rank_programs = 1 if stacked else num_slices * cdiv(pool_rank, block_r)
     grid_segments = segs.grid_segments()
-    meta = (segs.seg_indptr, segs.seg_slot, segs.seg_rank)
+    meta = (segs.seg_indptr, segs.seg_slot, segs.slot_rank)
     strides = (*x.stride(), *A.stride(), *out.stride())
     common = {
         "BLOCK_T": segs.max_seg_len,
@@ -707,7 +707,7 @@ def sgmv_expand(
     if plan.planned:
         programs = min(programs, plan.programs_per_sm * num_sms(out.device))
     fast(_sgmv_expand_kernel)[(programs,)](
-        y, B, out, segs.seg_indptr, segs.seg_slot, segs.seg_rank, segs.num_segments,
+        y, B, out, segs.seg_indptr, segs.seg_slot, segs.slot_rank, segs.num_segments,
         n_blocks, pool_rank, out_total, *slice_cols[:2], *slice_blocks[:2],
         *y.stride(), *B.stride(), *out.stride(),
         BLOCK_T=segs.max_seg_len, BLOCK_N=block_n, BLOCK_R=rank_block(pool_rank),

@@ -103,15 +103,12 @@ def build_batch(
     device: torch.device | str,
     lora_slot_rank: torch.Tensor | None = None,
     lora_slot_routed: Sequence[bool] | None = None,
-    lora_module_rank: torch.Tensor | None = None,
 ) -> BatchMetadata:
     """Lay out a step's sequences (decodes first) into one `BatchMetadata`.
 
     lora_slot_rank: the LoRA pool's per-slot rank tensor; needed when a sequence has a
     `lora_slot`. lora_slot_routed: the pool's per-slot "targets the routed experts"
-    (`LoraBatch.routed_experts`; None: every adapter does). lora_module_rank: the pool's
-    per-instance ranks, whose segment ranks each step gathers once (None: each module's
-    view gathers its own, one launch each).
+    (`LoraBatch.routed_experts`; None: every adapter does).
 
     The token layout is computed with array operations (no Python work per token) and
     reaches the device in one copy: this runs on the host every step while the GPU waits.
@@ -137,7 +134,7 @@ def build_batch(
             raise ValueError("a sequence uses a LoRA slot but the batch has no LoRA pool")
         lora = build_lora_batch(
             [s.lora_slot for s in seqs], query_lens, num_decodes,
-            lora_slot_rank, device, context_lens, groups, lora_slot_routed, lora_module_rank,
+            lora_slot_rank, device, context_lens, groups, lora_slot_routed,
         )  # fmt: skip
 
     context_rows, context_start = _context_rows(num_decodes, context_lens, table, page_size)

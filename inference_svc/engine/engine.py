@@ -246,9 +246,8 @@ class LLMEngine:
         steps = [self._sequence_step(s) for s in scheduled]
         runner = self.runner
         batch = build_batch(
-            steps, self.page_size, self.device, runner.lora_slot_rank, runner.lora_slot_routed,
-            runner.lora_module_rank,
-        )  # fmt: skip
+            steps, self.page_size, self.device, runner.lora_slot_rank, runner.lora_slot_routed
+        )
         return runner.execute(self._input_ids(scheduled), batch)  # [L, V]
 
     def _input_ids(self, scheduled: list[ScheduledSeq]) -> Tensor:

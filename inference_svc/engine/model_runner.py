@@ -84,11 +84,6 @@ class ModelRunner:
         return None if self.lora_pool is None else self.lora_pool.slot_rank
 
     @property
-    def lora_module_rank(self) -> torch.Tensor | None:
-        """The pool's per-module-instance ranks, for `build_batch` (None without a pool)."""
-        return None if self.lora_pool is None else self.lora_pool.module_rank
-
-    @property
     def lora_slot_routed(self) -> list[bool] | None:
         """The pool's per-slot "targets the routed experts", for `build_batch`."""
         return None if self.lora_pool is None else self.lora_pool.slot_routed_host
@@ -118,11 +113,9 @@ class ModelRunner:
         """Segment buffers of a captured LoRA decode step of `scope` (ALL or NOT_ROUTED),
         describing `size` base tokens."""
         config = LoraSegmentsConfig(max_tokens=size, num_slots=lora_pool.num_slots)
-        segs = allocate_lora_segments(config, self.device, lora_pool.module_rank)
+        segs = allocate_lora_segments(config, self.device)
         no_slots = (NO_SLOT,) * size
-        build_lora_segments(
-            no_slots, lora_pool.slot_rank, module_rank=lora_pool.module_rank, out=segs
-        )
+        build_lora_segments(no_slots, lora_pool.slot_rank, out=segs)
         # Warm up with the grid the capture uses (the capacity; the padding segments are
         # empty), so that Triton compiles every variant before capturing, not during it.
         segs.num_live_segments = segs.max_segments
@@ -200,10 +193,8 @@ class ModelRunner:
         )  # fmt: skip
         if static.lora is not None and batch.lora is not None:
             # Rows n.. of the graph's batch get slot -1: padding does no LoRA work.
-            slot_rank, module_rank = batch.lora.tokens.slot_rank, self.lora_pool.module_rank
-            build_lora_segments(
-                batch.lora.token_slots, slot_rank, module_rank=module_rank, out=static.lora.tokens
-            )
+            slot_rank = batch.lora.tokens.slot_rank
+            build_lora_segments(batch.lora.token_slots, slot_rank, out=static.lora.tokens)
         g.graph.replay()
         # A decode-only batch wants the logits of every row, in order (logits_indices is
         # arange(n)), so no gather: the float32 conversion is the one launch after the

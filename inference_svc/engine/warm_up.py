@@ -141,10 +141,7 @@ def warm_up_prefill(
             )
             if pages_used > runner.config.num_pages:
                 continue  # a step the KV cache could not hold never runs either
-            batch = build_batch(
-                steps, page_size, runner.device, runner.lora_slot_rank,
-                lora_module_rank=runner.lora_module_rank,
-            )  # fmt: skip
+            batch = build_batch(steps, page_size, runner.device, runner.lora_slot_rank)
             ids = torch.zeros(tokens, dtype=torch.int64, device=runner.device)
             with moe_lora_placement(placement) if placement else contextlib.nullcontext():
                 runner.execute(ids, batch)

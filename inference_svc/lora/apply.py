@@ -47,19 +47,17 @@ class LoraWeights:
     """One module instance's pool buffers (views, so slot loads show through).
 
     a: [S, stack·R, in] (MoE: [S, E, stack·R, in]); b: [S, out, R] (MoE: [S, E, out, R]);
-    rank: int32 [S] each slot's rank in this module, 0 where its adapter does not target it:
-    row `row` of the pool's `module_rank`.
+    rank: int32 [S] each slot's rank in this module, 0 where its adapter does not target it.
     """
 
     a: Tensor
     b: Tensor
     rank: Tensor
-    row: int
 
     def segments(self, segs: LoraSegments) -> LoraSegments:
         """The batch's segments as this module's kernels read them: tokens of adapters
         that do not target the module do no work (their pool weights are zeros)."""
-        return segs.for_module(self.rank, self.row)
+        return segs.with_slot_rank(self.rank)
 
 
 @dataclass(frozen=True)
@@ -240,8 +238,7 @@ def finish_q_b_lora_with_kv_b_q(
     if q.is_cuda and pending.stream is not None:
         torch.cuda.current_stream(q.device).wait_stream(pending.stream)
     apply = q_b_expand_kv_b_q if q.is_cuda else q_b_expand_kv_b_q_ref
-    kv_segs = kv_b.segments(pending.segments)
-    lora = QueryLora(pending.y, q_b.b, pending.segments, kv_b.a, kv_b.b, kv_segs, nope_dim)
+    lora = QueryLora(pending.y, q_b.b, pending.segments, kv_b.a, kv_b.b, kv_b.rank, nope_dim)
     apply(q, q_lat, lora)
 
 

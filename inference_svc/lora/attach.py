@@ -41,9 +41,8 @@ def attach_lora_pool(model: DeepseekV3Model, pool: LoraPool) -> None:
         )
     for layer, module, owner, attribute in targets:
         weights = LoraWeights(
-            pool.lora_a(layer, module), pool.lora_b(layer, module), pool.rank_of(layer, module),
-            pool.instance_row(layer, module),
-        )  # fmt: skip
+            pool.lora_a(layer, module), pool.lora_b(layer, module), pool.rank_of(layer, module)
+        )
         if isinstance(owner, Linear):
             _check_linear(owner, weights, layer, module)
         setattr(owner, attribute, weights)

@@ -75,7 +75,6 @@ def build_lora_batch(
     context_lens: Sequence[int] = (),
     prefill_groups: Sequence[tuple[int, int]] = (),
     slot_routed: Sequence[bool] | None = None,
-    module_rank: Tensor | None = None,
 ) -> LoraBatch | None:
     """The LoRA metadata of a step, or None when no sequence uses an adapter (then no layer
     does any LoRA work).
@@ -90,25 +89,21 @@ def build_lora_batch(
         prefill_groups: [first, end) sequence ranges whose contexts are expanded together.
         slot_routed: per slot, whether its adapter targets the routed experts (the pool's
             host mirror); None: assume every adapter does.
-        module_rank: the pool's int32 [instances, num_slots] ranks, gathered per segment
-            with the segments (`build_lora_segments`); None: each module gathers its own.
     """
     if len(seq_slots) != len(query_lens):
         raise ValueError(f"{len(seq_slots)} slots for {len(query_lens)} sequences")
     if all(slot == NO_SLOT for slot in seq_slots):
         return None
     token_slots = _token_slots(seq_slots, query_lens)
-    tokens = build_lora_segments(token_slots, slot_rank, module_rank=module_rank, device=device)
+    tokens = build_lora_segments(token_slots, slot_rank, device=device)
     decode_tokens: LoraSegments | None = None
     if num_decode_seqs == len(seq_slots):
         decode_tokens = tokens
     elif any(slot != NO_SLOT for slot in seq_slots[:num_decode_seqs]):
         decode_slots = token_slots[:num_decode_seqs]  # one token per decode sequence
-        decode_tokens = build_lora_segments(
-            decode_slots, slot_rank, module_rank=module_rank, device=device
-        )
+        decode_tokens = build_lora_segments(decode_slots, slot_rank, device=device)
     context_rows = tuple(
-        _context_segments(seq_slots[b0:b1], context_lens[b0:b1], slot_rank, module_rank, device)
+        _context_segments(seq_slots[b0:b1], context_lens[b0:b1], slot_rank, device)
         for b0, b1 in prefill_groups
     )
     routed = slot_routed is None or any(
@@ -126,14 +121,10 @@ def _token_slots(seq_slots: Sequence[int], query_lens: Sequence[int]) -> tuple[i
 
 
 def _context_segments(
-    slots: Sequence[int],
-    context_lens: Sequence[int],
-    slot_rank: Tensor,
-    module_rank: Tensor | None,
-    device: torch.device | str,
+    slots: Sequence[int], context_lens: Sequence[int], slot_rank: Tensor, device: torch.device | str
 ) -> LoraSegments | None:
     """Segments of the sequences' context rows end to end (None when no adapter is used)."""
     if all(slot == NO_SLOT for slot in slots):
         return None
     rows = np.repeat(np.array(slots, dtype=np.int32), context_lens)  # [Σ ctx]
-    return build_lora_segments(rows, slot_rank, module_rank=module_rank, device=device)
+    return build_lora_segments(rows, slot_rank, device=device)

@@ -300,10 +300,6 @@ class LoraPool:
         a view, so loads show through."""
         return self.module_rank[self._instance_row[layer, module]]
 
-    def instance_row(self, layer: int, module: str) -> int:
-        """The row of `module_rank` that holds one module instance's ranks."""
-        return self._instance_row[layer, module]
-
     def module_instances(self) -> list[tuple[int, str]]:
         """(layer, module) of every module instance the pool holds."""
         return list(self._a)

@@ -57,9 +57,7 @@ def _expected(case, nope):  # type: ignore[no-untyped-def]
     """(q, q_lat) of the float32 reference on the case's values."""
     segs, y, qb_B, q, kv_A, kv_B, kv_rank, q_lat = case
     q, q_lat = q.float().clone(), torch.zeros_like(q_lat, dtype=torch.float32)
-    lora = QueryLora(
-        y, qb_B.float(), segs, kv_A.float(), kv_B.float(), segs.with_slot_rank(kv_rank), nope
-    )
+    lora = QueryLora(y, qb_B.float(), segs, kv_A.float(), kv_B.float(), kv_rank, nope)
     q_b_expand_kv_b_q_ref(q, q_lat, lora)
     return q, q_lat
 
@@ -67,8 +65,7 @@ def _expected(case, nope):  # type: ignore[no-untyped-def]
 def _run(case, nope):  # type: ignore[no-untyped-def]
     segs, y, qb_B, q, kv_A, kv_B, kv_rank, q_lat = case
     q, q_lat = q.clone(), q_lat.clone()
-    kv_segs = segs.with_slot_rank(kv_rank)
-    q_b_expand_kv_b_q(q, q_lat, QueryLora(y, qb_B, segs, kv_A, kv_B, kv_segs, nope))
+    q_b_expand_kv_b_q(q, q_lat, QueryLora(y, qb_B, segs, kv_A, kv_B, kv_rank, nope))
     return q, q_lat
 
 
@@ -130,7 +127,7 @@ def test_reference_equals_dense_deltas_in_fp64() -> None:
     case = _case("distinct", 11, 8, torch.float64, seed=5)
     segs, y, qb_B, q, kv_A, kv_B, kv_rank, _ = case
     got_q, got_lat = q.clone(), torch.full((11, heads, lat), 7.0, dtype=torch.float64)
-    lora = QueryLora(y.double(), qb_B, segs, kv_A, kv_B, segs.with_slot_rank(kv_rank), nope)
+    lora = QueryLora(y.double(), qb_B, segs, kv_A, kv_B, kv_rank, nope)
     q_b_expand_kv_b_q_ref(got_q, got_lat, lora)
     for t, slot in enumerate(segs.token_slot[:11].tolist()):
         want_q, want_lat = q[t].clone(), torch.zeros(heads, lat, dtype=torch.float64)
@@ -146,7 +143,7 @@ def test_reference_equals_dense_deltas_in_fp64() -> None:
 
 def test_launcher_rejects_what_it_cannot_take() -> None:
     segs, y, qb_B, q, kv_A, kv_B, kv_rank, q_lat = _case("distinct", 4, 16, torch.float32, 6)
-    lora = QueryLora(y, qb_B, segs, kv_A, kv_B, segs.with_slot_rank(kv_rank), DIMS[1])
+    lora = QueryLora(y, qb_B, segs, kv_A, kv_B, kv_rank, DIMS[1])
     with pytest.raises(ValueError, match="exceed"):
         wide = torch.zeros(NUM_SLOTS, qb_B.shape[1], MAX_POOL_RANK * 2)
         q_b_expand_kv_b_q(q, q_lat, replace(lora, qb_B=wide))
@@ -154,9 +151,8 @@ def test_launcher_rejects_what_it_cannot_take() -> None:
         q_b_expand_kv_b_q(q, q_lat, replace(lora, nope_dim=DIMS[1] + DIMS[2]))
     with pytest.raises(ValueError, match="y "):
         q_b_expand_kv_b_q(q, q_lat, replace(lora, y=y[:, :8]))
-    other_segments = build_lora_segments(segs.token_slot.tolist(), kv_rank)
-    with pytest.raises(ValueError, match="kv_segs"):
-        q_b_expand_kv_b_q(q, q_lat, replace(lora, kv_segs=other_segments))
+    with pytest.raises(ValueError, match="kv_rank"):
+        q_b_expand_kv_b_q(q, q_lat, replace(lora, kv_rank=kv_rank.long()))
     with pytest.raises(ValueError, match="latent"):
         q_b_expand_kv_b_q(q, q_lat[:, :, :-1], lora)
 
@@ -181,19 +177,16 @@ def test_cuda_graph_replay_with_more_segments() -> None:
     before the replay), q gets each token's own adapter."""
     case = _case("distinct", 32, 16, torch.bfloat16, 8, dims=V3_DIMS, device="cuda")
     segs, y, qb_B, q0, kv_A, kv_B, kv_rank, q_lat = case
-    # kv_b's ranks as a module row, so that each build refreshes its segment ranks.
-    module_rank = kv_rank.unsqueeze(0)
-    big = allocate_lora_segments(LoraSegmentsConfig(32, NUM_SLOTS), "cuda", module_rank)
+    big = allocate_lora_segments(LoraSegmentsConfig(32, NUM_SLOTS), "cuda")
     q = q0.clone()
-    build_lora_segments([1] * 32, segs.slot_rank, module_rank=module_rank, out=big)
-    lora = QueryLora(y, qb_B, big, kv_A, kv_B, big.for_module(module_rank[0], 0), 128)
+    build_lora_segments([1] * 32, segs.slot_rank, out=big)
+    lora = QueryLora(y, qb_B, big, kv_A, kv_B, kv_rank, 128)
     q_b_expand_kv_b_q(q, q_lat, lora)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         q_b_expand_kv_b_q(q, q_lat, lora)
-    slots = segs.token_slot[:32].tolist()
-    build_lora_segments(slots, segs.slot_rank, module_rank=module_rank, out=big)
+    build_lora_segments(segs.token_slot[:32].tolist(), segs.slot_rank, out=big)
     assert big.num_live_segments > 1
     q.copy_(q0)
     q_lat.fill_(float("nan"))

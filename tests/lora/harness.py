@@ -113,9 +113,8 @@ class Scenario:
         device = self.runner.device
         runner = self.runner
         batch = build_batch(
-            steps, PAGE_SIZE, device, runner.lora_slot_rank, runner.lora_slot_routed,
-            runner.lora_module_rank,
-        )  # fmt: skip
+            steps, PAGE_SIZE, device, runner.lora_slot_rank, runner.lora_slot_routed
+        )
         logits = self.runner.execute(torch.tensor(ids, device=device), batch)
         row = 0
         for seq, n in members:
