@@ -302,3 +302,40 @@ def test_modules_an_adapter_does_not_target_are_not_read(tiny_model_dirs, monkey
     scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, [0, 1], strict=True)])
     scenario.run([5, 6], [1, 0])
     _check(scenario, [attention_only[0], with_experts[0]], base=build_tiny_model(spec))
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_rank_columns_past_a_modules_own_rank_are_not_read(tiny_model_dirs, monkeypatch, kernels):
+    """Adapters whose attention modules have ranks below their adapter's (rank_pattern) and
+    below the pool's, garbage in every linear module's pool columns past the module's own
+    rank, and a mixed batch of prefill and decode steps: each module's kernels read its own
+    rank (the per-segment ranks the step gathers for each module instance), so the
+    logprobs stay peft's."""
+    if kernels == "triton":
+        _route_through_triton(monkeypatch, "auto")
+    spec = "v3_q_lora"
+    runner = make_runner(tiny_model_dirs[spec], spec, num_slots=3, max_rank=16)
+    cases = [
+        peft_case(spec, rank=8, seed=22, rank_pattern={"o_proj": 2, "kv_b_proj": 3, "q_a_proj": 5}),
+        peft_case(spec, rank=4, seed=23, target_parameters=None, rank_pattern={"q_b_proj": 1}),
+    ]
+    for slot, (_, adapter) in zip((0, 2), cases, strict=True):
+        runner.lora_pool.load(slot, adapter)
+    pool = runner.lora_pool
+    below_adapter_rank = 0
+    for layer, module in pool.module_instances():
+        if module.startswith("moe."):
+            continue
+        a, b = pool.lora_a(layer, module), pool.lora_b(layer, module)  # [S, n·R, in], [S, out, R]
+        for slot, (_, adapter) in zip((0, 2), cases, strict=True):
+            rank = int(pool.rank_of(layer, module)[slot])
+            below_adapter_rank += 0 < rank < adapter.manifest.rank
+            b[slot, :, rank:] = 1e3
+            for first in range(0, a.shape[1], pool.max_rank):  # each stacked slice
+                a[slot, first + rank : first + pool.max_rank] = 1e3
+    assert below_adapter_rank >= 4
+    tokens = random_tokens([7, 6, 5], seed=24)
+    scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, [0, -1, 2], strict=True)])
+    scenario.run([4, 6, 2], [1, 0, 3])
+    base = build_tiny_model(spec)
+    _check(scenario, [cases[0][0], base, cases[1][0]], base=base)
