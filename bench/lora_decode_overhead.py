@@ -172,6 +172,9 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
     },
     "skip_kv_b_o": {(apply, "mla_kv_b_lora_o"): _nothing, (apply, "KV_B_O_IN_MERGE"): False},
     "skip_expand": {(apply, "sgmv_expand"): _nothing},
+    # Prompt steps with a gated MLP's gate_up LoRA expand as its own launch before SiLU·mul
+    # (the defaults add it in the activation's launch: kernels.gated_expand).
+    "gate_up_expand_separate": {(apply, "GATE_UP_EXPAND_WITH_SILU_MIN_TOKENS"): 2**31},
 }
 
 

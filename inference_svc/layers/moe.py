@@ -4,8 +4,9 @@ Shape legend: T tokens, k experts per token, P = T·k (token, expert) pairs, E e
 I moe_intermediate_size.
 
 LoRA: the dense MLP's (and shared experts') `gate_up` / `down` add their deltas inside
-`Linear`; the routed experts add theirs per pair, to the gate_up output before the
-activation and to the down output before the weighted combine.
+`Linear` (a long step's gate_up delta in the activation's launch instead); the routed
+experts add theirs per pair, to the gate_up output before the activation and to the down
+output before the weighted combine.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from inference_svc.lora.apply import (
     LoraWeights,
     add_moe_down,
     add_moe_gate_up,
+    expands_gate_up_with_silu,
+    finish_gate_up_lora_with_silu,
     moe_lora_in_gemm,
     start_moe_lora,
 )
@@ -43,6 +46,15 @@ class DenseMLP(nn.Module):
         self.down = Linear(inter, [hidden], quant, dtype, device)
 
     def forward(self, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
+        if (
+            lora is not None
+            and self.gate_up.lora is not None
+            and expands_gate_up_with_silu(x.shape[0])
+        ):
+            # A long step: gate_up's LoRA expand rides in the activation's launch.
+            gate_up, pending = self.gate_up.forward_leaving_expand(x, lora)  # [T, 2·inter]
+            act = finish_gate_up_lora_with_silu(pending, gate_up, self.gate_up.lora)
+            return self.down(act, lora)
         gate_up = self.gate_up(x, lora)  # [T, 2·inter]
         return self.down(gate_up, lora, gated=True)
 

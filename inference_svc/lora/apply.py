@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from inference_svc.layers.streams import lora_side_stream
+from kernels.gated_expand import sgmv_expand_silu_mul, sgmv_expand_silu_mul_ref
 from kernels.gemv import GemvLora, gemv_lora_shrink
 from kernels.lora_segments import LoraSegments
 from kernels.mla_lora import (
@@ -139,6 +140,30 @@ def finish_linear_lora(
     if pending.stream is not None:
         torch.cuda.current_stream(out.device).wait_stream(pending.stream)
     sgmv_expand(pending.y, weights.b, out, pending.segments, slice_offsets)
+
+
+# Steps of at least this many tokens add a gated MLP's gate_up LoRA expand in the launch of
+# its SiLU·mul (kernels.gated_expand): the expand's read-modify-write of the [T, 2I] product
+# goes. Measured in docs/benchmarks.md (thirty-ninth session).
+GATE_UP_EXPAND_WITH_SILU_MIN_TOKENS = 4096
+
+
+def expands_gate_up_with_silu(num_tokens: int) -> bool:
+    """Whether a gated MLP's step of `num_tokens` takes `finish_gate_up_lora_with_silu`."""
+    return num_tokens >= GATE_UP_EXPAND_WITH_SILU_MIN_TOKENS
+
+
+def finish_gate_up_lora_with_silu(
+    pending: PendingLinearLora, gate_up: Tensor, weights: LoraWeights
+) -> Tensor:
+    """`finish_linear_lora` of a gated MLP's gate_up, then SiLU·mul, in one launch on CUDA:
+    act[t] = silu(g) · u for g | u = gate_up[t] + B[slot] · y[t] (rounded to gate_up's dtype
+    first, as the expand stores it); gate_up [T, 2I] is read, not written. Returns [T, I]."""
+    if not gate_up.is_cuda:
+        return sgmv_expand_silu_mul_ref(pending.y, weights.b, gate_up, pending.segments)
+    if pending.stream is not None:
+        torch.cuda.current_stream(gate_up.device).wait_stream(pending.stream)
+    return sgmv_expand_silu_mul(pending.y, weights.b, gate_up, pending.segments)
 
 
 # A one-token step's linears and absorbed kv_b products run in kernels.gemv with their LoRA:

@@ -100,21 +100,64 @@ def test_rank8_adapter_in_rank16_pool_is_exact(tiny_model_dirs):
 def test_dense_and_shared_mlp_layouts_against_merged_weights(layout, tiny_model_dirs):
     """Every canonical module (dense-layer MLP of width 96, shared-expert MLP of width 32,
     attention, routed experts per-expert or shared-outer), next to the base model."""
+    scenario, adapters = _random_adapters_scenario(
+        tiny_model_dirs, ((6, 9), (3, 10)), 0.02, layout, [10, 8, 12], seed=11
+    )
+    scenario.run([4, 8, 5])
+    _check_against_merged_weights(scenario, adapters)
+
+
+def _random_adapters_scenario(tiny_model_dirs, ranks_seeds, scale, layout, lengths, seed):  # type: ignore[no-untyped-def]
+    """Random adapters on every canonical module (lora_B scaled by `scale`) of ranks and
+    seeds `ranks_seeds` in slots 0, 1, and three sequences of `lengths` random tokens using
+    slots 1, -1 and 0: (scenario, adapters)."""
     spec = "v3_q_lora"
     hf_config = tiny_config(spec).to_dict()
     adapters = [
-        small_lora_b(random_adapter(hf_config, rank, moe_layout=layout, seed=seed), 0.02)
-        for rank, seed in ((6, 9), (3, 10))
+        small_lora_b(random_adapter(hf_config, rank, moe_layout=layout, seed=s), scale)
+        for rank, s in ranks_seeds
     ]
     runner = make_runner(tiny_model_dirs[spec], spec, num_slots=2, max_rank=8)
     for slot, adapter in enumerate(adapters):
         runner.lora_pool.load(slot, adapter)
-    base = build_tiny_model(spec)
-    tokens = random_tokens([10, 8, 12], seed=11)
+    tokens = random_tokens(lengths, seed=seed)
     scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, [1, -1, 0], strict=True)])
-    scenario.run([4, 8, 5])
+    return scenario, adapters
+
+
+def _check_against_merged_weights(scenario: Scenario, adapters) -> None:  # type: ignore[no-untyped-def]
+    """`_random_adapters_scenario`'s sequences against the base model with each one's
+    adapter's ΔW merged (and the base model itself)."""
+    spec, base = "v3_q_lora", build_tiny_model("v3_q_lora")
     oracles = [merged_base_model(spec, adapters[1]), base, merged_base_model(spec, adapters[0])]
     _check(scenario, oracles, base)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_long_steps_add_the_gate_up_lora_in_the_activation(tiny_model_dirs, monkeypatch, kernels):
+    """Prompt steps from 4 tokens (the threshold lowered for the tiny model) take gate_up's
+    LoRA expand inside SiLU·mul, in the dense layer's MLP and the shared experts'; decode
+    steps the separate launches. Both against the merged-weight oracles."""
+    from inference_svc.layers import moe
+    from inference_svc.lora import apply
+
+    if kernels == "triton":
+        _route_through_triton(monkeypatch, "auto")
+    monkeypatch.setattr(apply, "GATE_UP_EXPAND_WITH_SILU_MIN_TOKENS", 4)
+    fused_calls = []
+
+    def counted(pending, gate_up, weights):  # type: ignore[no-untyped-def]
+        fused_calls.append(gate_up.shape[0])
+        return apply.finish_gate_up_lora_with_silu(pending, gate_up, weights)
+
+    monkeypatch.setattr(moe, "finish_gate_up_lora_with_silu", counted)
+    scenario, adapters = _random_adapters_scenario(
+        tiny_model_dirs, ((8, 25), (3, 26)), 0.05, "per_expert", [9, 7, 11], seed=27
+    )
+    scenario.run([4, 6, 5])
+    layers_with_mlp = sum(layer.mlp is not None for layer in scenario.runner.model.layers)
+    assert fused_calls == [15] * layers_with_mlp  # the prompt step only, every MLP of it
+    _check_against_merged_weights(scenario, adapters)
 
 
 def test_batch_without_adapters_does_no_lora_work(tiny_model_dirs, monkeypatch):
@@ -145,10 +188,11 @@ def _route_through_triton(monkeypatch, moe_variant: str) -> None:
     import functools
 
     from inference_svc.lora import apply
-    from kernels import mla_lora, mla_q_lora, moe_lora, sgmv
+    from kernels import gated_expand, mla_lora, mla_q_lora, moe_lora, sgmv
 
     for module, names in (
         (sgmv, ("sgmv_shrink", "sgmv_expand")),
+        (gated_expand, ("sgmv_expand_silu_mul",)),
         (mla_lora, ("mla_kv_b_lora_q", "mla_kv_b_lora_o")),
         (mla_q_lora, ("q_b_expand_kv_b_q",)),
         (moe_lora, ("moe_lora_gate_up", "moe_lora_down", "moe_lora_epilogue")),
