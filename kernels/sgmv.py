@@ -268,7 +268,19 @@ def _expand_place(
     slot, rank, t_start, t_end = load_segment(
         item // n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr
     )
-    pid_n = item % n_blocks
+    slice_idx, offs_n, mask_n = _column_place(
+        item % n_blocks, N, slice1_col, slice2_col, slice1_block, slice2_block, BLOCK_N,
+        COLS_ALIGNED,
+    )  # fmt: skip
+    return slot, rank, t_start, t_end, slice_idx, offs_n, mask_n
+
+
+@triton.jit
+def _column_place(
+    pid_n, N, slice1_col, slice2_col, slice1_block, slice2_block, BLOCK_N: tl.constexpr,
+    COLS_ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """(slice index, columns [BLOCK_N], their mask) of column block pid_n."""
     # Column blocks never straddle a slice: blocks [sliceI_block, ...) belong to slice I.
     in_s1 = pid_n >= slice1_block
     in_s2 = pid_n >= slice2_block
@@ -281,7 +293,7 @@ def _expand_place(
         col_hi = tl.multiple_of(col_hi, 8)
     block_lo = tl.where(in_s2, slice2_block, tl.where(in_s1, slice1_block, 0))
     offs_n = col_lo + (pid_n - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return slot, rank, t_start, t_end, slice_idx, offs_n, offs_n < col_hi
+    return slice_idx, offs_n, offs_n < col_hi
 
 
 @triton.jit
@@ -445,6 +457,78 @@ def _sgmv_expand_kernel(
             )  # fmt: skip
 
 
+@triton.jit
+def _sgmv_expand_runs_kernel(
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    seg_indptr_ptr,
+    seg_slot_ptr,
+    slot_rank_ptr,
+    num_segments_ptr,
+    n_blocks,
+    R,
+    N,
+    slice1_col,
+    slice2_col,
+    slice1_block,
+    slice2_block,
+    stride_yt,
+    stride_yr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SEGS_PER_ITEM: tl.constexpr,
+    COLS_ALIGNED: tl.constexpr,
+    RANK_ALIGN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Long steps: a fixed grid walks the (group of SEGS_PER_ITEM consecutive live segments,
+    column block) items, and an item keeps its slot's B block while the slot repeats (a
+    prompt is one slot over many segments), so B is read once per run and column block, not
+    once per 16 tokens. Needs BLOCK_R ≥ R (one rank tile)."""
+    grid_dependency_control()
+    num_segments = tl.load(num_segments_ptr)
+    last = tl.cdiv(num_segments, SEGS_PER_ITEM) * n_blocks
+    offs_r = tl.arange(0, BLOCK_R)
+    for item in range(tl.program_id(0), last, tl.num_programs(0)):
+        slice_idx, offs_n, mask_n = _column_place(
+            item % n_blocks, N, slice1_col, slice2_col, slice1_block, slice2_block, BLOCK_N,
+            COLS_ALIGNED,
+        )  # fmt: skip
+        first = (item // n_blocks) * SEGS_PER_ITEM
+        held = -1  # the slot whose B block b holds
+        b = tl.zeros((BLOCK_R, BLOCK_N), dtype=b_ptr.dtype.element_ty)
+        for seg in range(first, tl.minimum(first + SEGS_PER_ITEM, num_segments)):
+            slot, rank, t_start, t_end = load_segment(
+                seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr
+            )
+            if rank > 0:
+                offs_t = t_start + tl.arange(0, BLOCK_T)
+                mask_t = offs_t < t_end
+                out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
+                out_mask = mask_t[:, None] & mask_n[None, :]
+                prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
+                if slot != held:
+                    b = _b_block(
+                        b_ptr, slot, rank, offs_n, mask_n, offs_r, stride_bs, stride_bn,
+                        stride_br, RANK_ALIGN,
+                    )  # fmt: skip
+                    b = tl.where((offs_r < rank)[:, None], b, 0.0)
+                    held = slot
+                y = _y_block(
+                    y_ptr, offs_t, mask_t, slice_idx, R, offs_r, rank, stride_yt, stride_yr
+                )
+                # Onto the stored values in float32, rounded once (as `_expand_item` rounds).
+                acc = tl.dot(y.to(b.dtype), b, prev.to(tl.float32), input_precision=DOT_PRECISION)
+                tl.store(out_ptrs, acc.to(prev.dtype), mask=out_mask)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs must not silently drop to tf32; half types are exact either way."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -507,10 +591,18 @@ class SgmvVariant:
     block: int | None = None
     # Software-pipelining depth of the launch; None keeps Triton's default.
     num_stages: int | None = None
+    # Expand only: consecutive segments an item covers, keeping a slot's B block across
+    # them (`_sgmv_expand_runs_kernel`; pool ranks of one rank tile, others take 1).
+    segments_per_item: int = 1
 
     def __post_init__(self) -> None:
         if self.programs_per_sm < 1:
             raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
+        if self.segments_per_item < 1 or (self.segments_per_item > 1 and not self.planned):
+            raise ValueError(
+                f"segments_per_item must be >= 1 (above 1 only planned), got "
+                f"{self.segments_per_item}"
+            )
         if self.block is not None and (self.block < 16 or self.block & (self.block - 1)):
             raise ValueError(f"block must be a power of two >= 16, got {self.block}")
 
@@ -538,6 +630,13 @@ EXPAND_VARIANTS = {
     # all_h100.json: V3 rank 16 57.9 → 53.6 / 58.4 → 55.4 µs, rank 64 113.0 → 91.4 /
     # 113.8 → 95.6; V2-Lite rank 64 37.1 → 32.3 / 36.8 → 32.4).
     "planned_n256_p32": SgmvVariant(planned=True, programs_per_sm=32, block=256, num_stages=1),
+    # Long steps: a slot's B block kept across an item's 4 consecutive segments (a prompt
+    # is one slot over many), 8 programs an SM. H200, 8192 tokens × 16 adapters, V2-Lite's
+    # five prompt-step expands summed (runs_expand_plans_s39_h200.json): rank 16 185.9 →
+    # 178.2 µs, rank 64 338.0 → 292.3; 4096 tokens rank 16 117.4 → 114.4.
+    "runs_n256_p8_g4": SgmvVariant(
+        planned=True, programs_per_sm=8, block=256, num_stages=1, segments_per_item=4
+    ),
 }
 # What the launchers use unless told otherwise: the prediction of docs/kernel_notes.md,
 # to be replaced by the measured best.
@@ -545,7 +644,7 @@ DEFAULT_VARIANT = "planned"
 # Steps of at least this many tokens (eager prompt chunks) expand with LONG_STEP_EXPAND
 # unless a variant is named; decode steps (and their graphs) keep DEFAULT_VARIANT.
 LONG_STEP_TOKENS = 4096
-LONG_STEP_EXPAND = "planned_n256_p32"
+LONG_STEP_EXPAND = "runs_n256_p8_g4"
 
 
 def expand_variant(num_tokens: int) -> str:
@@ -703,18 +802,29 @@ def sgmv_expand(
         block_cols[i + 1] = block_cols[i] + cdiv(width, block_n)
     slice_blocks = [*block_cols[1:num_slices], *[_UNUSED] * (MAX_SLICES - num_slices)]
     n_blocks = block_cols[num_slices]
-    programs = grid_segments * n_blocks
+    block_r = rank_block(pool_rank)
+    segs_per_item = plan.segments_per_item if block_r >= pool_rank else 1
+    programs = cdiv(grid_segments, segs_per_item) * n_blocks
     if plan.planned:
         programs = min(programs, plan.programs_per_sm * num_sms(out.device))
-    fast(_sgmv_expand_kernel)[(programs,)](
+    args = (
         y, B, out, segs.seg_indptr, segs.seg_slot, segs.slot_rank, segs.num_segments,
         n_blocks, pool_rank, out_total, *slice_cols[:2], *slice_blocks[:2],
         *y.stride(), *B.stride(), *out.stride(),
-        BLOCK_T=segs.max_seg_len, BLOCK_N=block_n, BLOCK_R=rank_block(pool_rank),
-        PLANNED=plan.planned, COLS_ALIGNED=plan.planned and all(o % 8 == 0 for o in slice_offsets),
-        RANK_ALIGN=rank_alignment(pool_rank), DOT_PRECISION=dot_precision(B.dtype),
-        **({} if plan.num_stages is None else {"num_stages": plan.num_stages}),
     )  # fmt: skip
+    common = {
+        "BLOCK_T": segs.max_seg_len,
+        "BLOCK_N": block_n,
+        "BLOCK_R": block_r,
+        "COLS_ALIGNED": plan.planned and all(o % 8 == 0 for o in slice_offsets),
+        "RANK_ALIGN": rank_alignment(pool_rank),
+        "DOT_PRECISION": dot_precision(B.dtype),
+        **({} if plan.num_stages is None else {"num_stages": plan.num_stages}),
+    }
+    if segs_per_item > 1:
+        fast(_sgmv_expand_runs_kernel)[(programs,)](*args, SEGS_PER_ITEM=segs_per_item, **common)
+    else:
+        fast(_sgmv_expand_kernel)[(programs,)](*args, PLANNED=plan.planned, **common)
     return out
 
 

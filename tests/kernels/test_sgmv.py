@@ -249,6 +249,7 @@ def test_long_steps_expand_with_the_wide_tiles_unless_told() -> None:
     assert expand_variant(1) == expand_variant(LONG_STEP_TOKENS - 1) == DEFAULT_VARIANT
     assert expand_variant(LONG_STEP_TOKENS) == expand_variant(8192) == LONG_STEP_EXPAND
     assert EXPAND_VARIANTS[LONG_STEP_EXPAND].block == 256
+    assert EXPAND_VARIANTS[LONG_STEP_EXPAND].segments_per_item > 1
 
 
 def test_reference_equals_dense_delta_in_fp64() -> None:
