@@ -1,12 +1,12 @@
 """A gated MLP's gate_up LoRA expand and its SiLU·mul in one launch (prompt-length steps).
 
 Apart, a long step's expand reads and rewrites all of gate_up's [T, 2I] product
-(`sgmv_expand`'s read-modify-write), then SiLU·mul reads it again and writes [T, I]. Here a
-program per (segment, column block of I) reads its gate and up tiles once, adds each
-token's LoRA delta in float32, rounds both to the product's dtype (as the expand stores
-them), applies SiLU·mul and writes only the activation: the expand's pass over [T, 2I]
-(2 × T·2I elements) goes. V2-Lite's dense MLP at 8192 tokens: 717 MB less traffic, ~169 µs
-at the H200's copy bandwidth, where the expand took ~404 µs.
+(`sgmv_expand`'s read-modify-write), then SiLU·mul reads it again and writes [T, I]. Here
+each item (a few consecutive segments × a column block of I) reads its gate and up tiles
+once, adds each token's LoRA delta in float32, rounds both to the product's dtype (as the
+expand stores them), applies SiLU·mul and writes only the activation: the expand's pass
+over [T, 2I] (2 × T·2I elements) goes. V2-Lite's dense MLP at 8192 tokens: 717 MB less
+traffic, ~169 µs at the H200's copy bandwidth, where the expand took ~404 µs.
 
 Shapes: T tokens, I the intermediate width, S pool slots, R pool rank.
 """
@@ -45,7 +45,8 @@ class ExpandSiluPlan:
 # What measured fastest at V2-Lite's prompt steps (H200, 16 rank-16 adapters of 512-token
 # prompts, 24 plans: docs/benchmarks.md, thirty-ninth session): 128 × 16 tiles, 4 programs
 # an SM, 4 segments an item; the dense MLP at 8192 tokens 274 µs against 457 for the two
-# launches apart (303-443 with 8-16 programs an SM, 8 warps, 256-wide tiles or 1 segment).
+# launches apart and 303-534 for the other 23 plans (8/16 programs an SM, 8 warps,
+# 256-wide tiles, 1 segment an item).
 DEFAULT_PLAN = ExpandSiluPlan()
 
 
