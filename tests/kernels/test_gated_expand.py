@@ -52,7 +52,7 @@ def _expected(segs, y, b, gate_up):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_matches_reference(popularity, dtype, plan) -> None:  # type: ignore[no-untyped-def]
-    """Odd widths (I = 40 over 16-column blocks), 16-token segments and shorter ones,
+    """A width 16-column blocks do not divide (I = 40), 16-token segments and shorter ones,
     mixed ranks next to the pool's, an untargeted slot and base tokens (their activation
     without a delta); gate_up is left as it was."""
     case = _case(popularity, 37, 40, 16, dtype, seed=3, device=kernel_device())
@@ -66,8 +66,8 @@ def test_matches_reference(popularity, dtype, plan) -> None:  # type: ignore[no-
 @pytest.mark.parametrize("segments_per_item", [1, 4])
 @pytest.mark.parametrize("pool_rank", [8, 64, 96])
 def test_pool_ranks_below_and_above_one_rank_block(pool_rank, segments_per_item) -> None:  # type: ignore[no-untyped-def]
-    """B past each slot's rank holds NaN: nothing past a slot's rank is read, also when
-    the pool rank spans two rank blocks (96 = 64 + 32)."""
+    """B past each slot's rank holds NaN: nothing past a slot's rank reaches the result,
+    also when the pool rank spans two rank blocks (96 = 64 + 32, one segment an item)."""
     case = _case("zipf", 50, 24, pool_rank, torch.float32, 4, kernel_device(), float("nan"))
     segs, y, b, gate_up = case
     plan = ExpandSiluPlan(block_n=32, segments_per_item=segments_per_item)
