@@ -345,12 +345,10 @@ def _expand_item(
     it b_first is not read and every block loads here, after out (a block held from before
     out's load was slower: docs/kernel_notes.md §18)."""
     if rank > 0:
-        offs_t = t_start + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < t_end
-        out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
-        out_mask = mask_t[:, None] & mask_n[None, :]
-        # Issued before the y and B loads so that its latency overlaps theirs.
-        prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        # out is loaded before y and B so that its latency overlaps theirs.
+        offs_t, mask_t, out_ptrs, out_mask, prev = _out_tile(
+            out_ptr, t_start, t_end, offs_n, mask_n, stride_ot, stride_on, BLOCK_T
+        )
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)  # [t, n]
         first_r = 0
         if B_FIRST:
@@ -367,6 +365,17 @@ def _expand_item(
             )  # fmt: skip
             acc = _add_rank_block(acc, y, b, offs_r, rank, DOT_PRECISION)
         tl.store(out_ptrs, (prev.to(tl.float32) + acc).to(prev.dtype), mask=out_mask)
+
+
+@triton.jit
+def _out_tile(out_ptr, t_start, t_end, offs_n, mask_n, stride_ot, stride_on, BLOCK_T: tl.constexpr):
+    """(token offsets, their mask, out pointers [t, n], their mask, out's values) of the
+    tokens [t_start, t_end) and columns offs_n."""
+    offs_t = t_start + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < t_end
+    out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
+    out_mask = mask_t[:, None] & mask_n[None, :]
+    return offs_t, mask_t, out_ptrs, out_mask, tl.load(out_ptrs, mask=out_mask, other=0.0)
 
 
 @triton.jit
@@ -415,6 +424,7 @@ def _sgmv_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PLANNED: tl.constexpr,
+    SEGS_PER_ITEM: tl.constexpr,
     COLS_ALIGNED: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -427,7 +437,13 @@ def _sgmv_expand_kernel(
     most the capacity's segments, and those past the live ones are empty), so its segment,
     rank and first B block are read before the PDL wait: nothing of the step writes them,
     and their chain of dependent loads (segment, rank, B) then overlaps the launch and the
-    kernel before. y and out come after the wait. Later items load theirs in turn."""
+    kernel before. y and out come after the wait. Later items load theirs in turn.
+
+    SEGS_PER_ITEM > 1 (long steps, planned): a fixed grid walks the (group of SEGS_PER_ITEM
+    consecutive live segments, column block) items, and an item keeps its slot's B block
+    while the slot repeats (a prompt is one slot over many segments), so B is read once per
+    run and column block, not once per 16 tokens. Needs BLOCK_R ≥ R (one rank tile). The
+    first item's reads before the wait are then unused."""
     pid = tl.program_id(0)
     slot, rank, t_start, t_end, slice_idx, offs_n, mask_n = _expand_place(
         pid, n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, N, slice1_col, slice2_col,
@@ -438,61 +454,43 @@ def _sgmv_expand_kernel(
         stride_br, RANK_ALIGN,
     )  # fmt: skip
     grid_dependency_control()
-    _expand_item(
-        y_ptr, b_ptr, out_ptr, slot, rank, t_start, t_end, slice_idx, offs_n, mask_n, b_first,
-        R, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
-        BLOCK_T, BLOCK_N, BLOCK_R, True, RANK_ALIGN, DOT_PRECISION,
-    )  # fmt: skip
-    if PLANNED:
-        last, step = tl.load(num_segments_ptr) * n_blocks, tl.num_programs(0)
-        for item in range(pid + step, last, step):
-            slot, rank, t_start, t_end, slice_idx, offs_n, mask_n = _expand_place(
-                item, n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, N, slice1_col,
-                slice2_col, slice1_block, slice2_block, BLOCK_N, COLS_ALIGNED,
-            )  # fmt: skip
-            _expand_item(
-                y_ptr, b_ptr, out_ptr, slot, rank, t_start, t_end, slice_idx, offs_n, mask_n,
-                b_first, R, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot,
-                stride_on, BLOCK_T, BLOCK_N, BLOCK_R, False, RANK_ALIGN, DOT_PRECISION,
-            )  # fmt: skip
+    if SEGS_PER_ITEM > 1:
+        _expand_runs(
+            y_ptr, b_ptr, out_ptr, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr,
+            num_segments_ptr, n_blocks, R, N, slice1_col, slice2_col, slice1_block,
+            slice2_block, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot,
+            stride_on, BLOCK_T, BLOCK_N, BLOCK_R, SEGS_PER_ITEM, COLS_ALIGNED, RANK_ALIGN,
+            DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        _expand_item(
+            y_ptr, b_ptr, out_ptr, slot, rank, t_start, t_end, slice_idx, offs_n, mask_n,
+            b_first, R, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot,
+            stride_on, BLOCK_T, BLOCK_N, BLOCK_R, True, RANK_ALIGN, DOT_PRECISION,
+        )  # fmt: skip
+        if PLANNED:
+            last, step = tl.load(num_segments_ptr) * n_blocks, tl.num_programs(0)
+            for item in range(pid + step, last, step):
+                slot, rank, t_start, t_end, slice_idx, offs_n, mask_n = _expand_place(
+                    item, n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, N, slice1_col,
+                    slice2_col, slice1_block, slice2_block, BLOCK_N, COLS_ALIGNED,
+                )  # fmt: skip
+                _expand_item(
+                    y_ptr, b_ptr, out_ptr, slot, rank, t_start, t_end, slice_idx, offs_n, mask_n,
+                    b_first, R, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot,
+                    stride_on, BLOCK_T, BLOCK_N, BLOCK_R, False, RANK_ALIGN, DOT_PRECISION,
+                )  # fmt: skip
 
 
 @triton.jit
-def _sgmv_expand_runs_kernel(
-    y_ptr,
-    b_ptr,
-    out_ptr,
-    seg_indptr_ptr,
-    seg_slot_ptr,
-    slot_rank_ptr,
-    num_segments_ptr,
-    n_blocks,
-    R,
-    N,
-    slice1_col,
-    slice2_col,
-    slice1_block,
-    slice2_block,
-    stride_yt,
-    stride_yr,
-    stride_bs,
-    stride_bn,
-    stride_br,
-    stride_ot,
-    stride_on,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    SEGS_PER_ITEM: tl.constexpr,
-    COLS_ALIGNED: tl.constexpr,
-    RANK_ALIGN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Long steps: a fixed grid walks the (group of SEGS_PER_ITEM consecutive live segments,
-    column block) items, and an item keeps its slot's B block while the slot repeats (a
-    prompt is one slot over many segments), so B is read once per run and column block, not
-    once per 16 tokens. Needs BLOCK_R ≥ R (one rank tile)."""
-    grid_dependency_control()
+def _expand_runs(
+    y_ptr, b_ptr, out_ptr, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, num_segments_ptr,
+    n_blocks, R, N, slice1_col, slice2_col, slice1_block, slice2_block, stride_yt, stride_yr,
+    stride_bs, stride_bn, stride_br, stride_ot, stride_on, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SEGS_PER_ITEM: tl.constexpr,
+    COLS_ALIGNED: tl.constexpr, RANK_ALIGN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """`_sgmv_expand_kernel` with SEGS_PER_ITEM > 1: the items of consecutive segments."""
     num_segments = tl.load(num_segments_ptr)
     last = tl.cdiv(num_segments, SEGS_PER_ITEM) * n_blocks
     offs_r = tl.arange(0, BLOCK_R)
@@ -509,11 +507,9 @@ def _sgmv_expand_runs_kernel(
                 seg, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr
             )
             if rank > 0:
-                offs_t = t_start + tl.arange(0, BLOCK_T)
-                mask_t = offs_t < t_end
-                out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
-                out_mask = mask_t[:, None] & mask_n[None, :]
-                prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
+                offs_t, mask_t, out_ptrs, out_mask, prev = _out_tile(
+                    out_ptr, t_start, t_end, offs_n, mask_n, stride_ot, stride_on, BLOCK_T
+                )
                 if slot != held:
                     b = _b_block(
                         b_ptr, slot, rank, offs_n, mask_n, offs_r, stride_bs, stride_bn,
@@ -592,7 +588,7 @@ class SgmvVariant:
     # Software-pipelining depth of the launch; None keeps Triton's default.
     num_stages: int | None = None
     # Expand only: consecutive segments an item covers, keeping a slot's B block across
-    # them (`_sgmv_expand_runs_kernel`; pool ranks of one rank tile, others take 1).
+    # them (`_sgmv_expand_kernel`'s SEGS_PER_ITEM; pool ranks of one rank tile, others 1).
     segments_per_item: int = 1
 
     def __post_init__(self) -> None:
@@ -821,10 +817,9 @@ def sgmv_expand(
         "DOT_PRECISION": dot_precision(B.dtype),
         **({} if plan.num_stages is None else {"num_stages": plan.num_stages}),
     }
-    if segs_per_item > 1:
-        fast(_sgmv_expand_runs_kernel)[(programs,)](*args, SEGS_PER_ITEM=segs_per_item, **common)
-    else:
-        fast(_sgmv_expand_kernel)[(programs,)](*args, PLANNED=plan.planned, **common)
+    fast(_sgmv_expand_kernel)[(programs,)](
+        *args, PLANNED=plan.planned, SEGS_PER_ITEM=segs_per_item, **common
+    )
     return out
 
 
