@@ -139,6 +139,10 @@ KERNEL_SETS: dict[str, dict[tuple[ModuleType, str], Any]] = {
         },
         (fused_moe, "PREFILL_TILES_WITHOUT_LORA"): {},
     },
+    # Every step's linear shrinks on the side stream beside the base products (the defaults
+    # put them inside the products of the carried weights in steps of as many tokens as
+    # the pool has slots: apply.shrinks_in_product).
+    "shrink_beside_product": {(apply, "SHRINK_IN_PRODUCT_MAX_TOKENS"): 0},
     # The linear modules' shrinks with fewer K splits (fewer float32 atomics).
     "shrink_p2": {(apply, "sgmv_shrink"): functools.partial(sgmv_shrink, variant="planned_p2")},
     "shrink_p1": {(apply, "sgmv_shrink"): functools.partial(sgmv_shrink, variant="planned_p1")},

@@ -327,6 +327,7 @@ def _expand_item(
     b_first,
     R,
     stride_yt,
+    stride_ys,
     stride_yr,
     stride_bs,
     stride_bn,
@@ -339,6 +340,7 @@ def _expand_item(
     B_FIRST: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    Y_EVERY_SLOT: tl.constexpr,
 ):
     """out[tokens t_start..t_end, columns offs_n] += y · B[slot]ᵀ over their slice. B_FIRST:
     b_first is B's first rank block, which the caller loaded (before its PDL wait); without
@@ -353,12 +355,18 @@ def _expand_item(
         first_r = 0
         if B_FIRST:
             offs_r = tl.arange(0, BLOCK_R)
-            y = _y_block(y_ptr, offs_t, mask_t, slice_idx, R, offs_r, rank, stride_yt, stride_yr)
+            y = _y_block(
+                y_ptr, offs_t, mask_t, slot, slice_idx, R, offs_r, rank, stride_yt, stride_ys,
+                stride_yr, Y_EVERY_SLOT,
+            )  # fmt: skip
             acc = _add_rank_block(acc, y, b_first, offs_r, rank, DOT_PRECISION)
             first_r = BLOCK_R
         for r in range(first_r, rank, BLOCK_R):
             offs_r = r + tl.arange(0, BLOCK_R)
-            y = _y_block(y_ptr, offs_t, mask_t, slice_idx, R, offs_r, rank, stride_yt, stride_yr)
+            y = _y_block(
+                y_ptr, offs_t, mask_t, slot, slice_idx, R, offs_r, rank, stride_yt, stride_ys,
+                stride_yr, Y_EVERY_SLOT,
+            )  # fmt: skip
             b = _b_block(
                 b_ptr, slot, rank, offs_n, mask_n, offs_r, stride_bs, stride_bn, stride_br,
                 RANK_ALIGN,
@@ -387,9 +395,15 @@ def _add_rank_block(acc, y, b, offs_r, rank, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _y_block(y_ptr, offs_t, mask_t, slice_idx, R, offs_r, rank, stride_yt, stride_yr):
+def _y_block(
+    y_ptr, offs_t, mask_t, slot, slice_idx, R, offs_r, rank, stride_yt, stride_ys, stride_yr,
+    Y_EVERY_SLOT: tl.constexpr,
+):  # fmt: skip
     """y [t, r] of tokens `offs_t` in slice `slice_idx`, rank columns `offs_r`: zero past the
-    slot's rank."""
+    slot's rank. Y_EVERY_SLOT: y holds every slot's columns, slot s's stride_ys apart (else
+    only the token's own slot's)."""
+    if Y_EVERY_SLOT:
+        y_ptr += tl.maximum(slot, 0).to(tl.int64) * stride_ys
     return tl.load(
         y_ptr + offs_t[:, None] * stride_yt + (slice_idx * R + offs_r)[None, :] * stride_yr,
         mask=mask_t[:, None] & (offs_r < rank)[None, :],
@@ -414,6 +428,7 @@ def _sgmv_expand_kernel(
     slice1_block,
     slice2_block,
     stride_yt,
+    stride_ys,
     stride_yr,
     stride_bs,
     stride_bn,
@@ -428,6 +443,7 @@ def _sgmv_expand_kernel(
     COLS_ALIGNED: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    Y_EVERY_SLOT: tl.constexpr,
 ):
     """v1: one program per (segment, column block) of the grid. planned: a fixed grid walks
     the (live segment, column block) items, so padding segments of a graph captured for more
@@ -458,15 +474,15 @@ def _sgmv_expand_kernel(
         _expand_runs(
             y_ptr, b_ptr, out_ptr, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr,
             num_segments_ptr, n_blocks, R, N, slice1_col, slice2_col, slice1_block,
-            slice2_block, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot,
-            stride_on, BLOCK_T, BLOCK_N, BLOCK_R, SEGS_PER_ITEM, COLS_ALIGNED, RANK_ALIGN,
-            DOT_PRECISION,
+            slice2_block, stride_yt, stride_ys, stride_yr, stride_bs, stride_bn, stride_br,
+            stride_ot, stride_on, BLOCK_T, BLOCK_N, BLOCK_R, SEGS_PER_ITEM, COLS_ALIGNED,
+            RANK_ALIGN, DOT_PRECISION, Y_EVERY_SLOT,
         )  # fmt: skip
     else:
         _expand_item(
             y_ptr, b_ptr, out_ptr, slot, rank, t_start, t_end, slice_idx, offs_n, mask_n,
-            b_first, R, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot,
-            stride_on, BLOCK_T, BLOCK_N, BLOCK_R, True, RANK_ALIGN, DOT_PRECISION,
+            b_first, R, stride_yt, stride_ys, stride_yr, stride_bs, stride_bn, stride_br, stride_ot,
+            stride_on, BLOCK_T, BLOCK_N, BLOCK_R, True, RANK_ALIGN, DOT_PRECISION, Y_EVERY_SLOT,
         )  # fmt: skip
         if PLANNED:
             last, step = tl.load(num_segments_ptr) * n_blocks, tl.num_programs(0)
@@ -477,18 +493,20 @@ def _sgmv_expand_kernel(
                 )  # fmt: skip
                 _expand_item(
                     y_ptr, b_ptr, out_ptr, slot, rank, t_start, t_end, slice_idx, offs_n, mask_n,
-                    b_first, R, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot,
-                    stride_on, BLOCK_T, BLOCK_N, BLOCK_R, False, RANK_ALIGN, DOT_PRECISION,
+                    b_first, R, stride_yt, stride_ys, stride_yr, stride_bs, stride_bn, stride_br,
+                    stride_ot, stride_on, BLOCK_T, BLOCK_N, BLOCK_R, False, RANK_ALIGN,
+                    DOT_PRECISION, Y_EVERY_SLOT,
                 )  # fmt: skip
 
 
 @triton.jit
 def _expand_runs(
     y_ptr, b_ptr, out_ptr, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, num_segments_ptr,
-    n_blocks, R, N, slice1_col, slice2_col, slice1_block, slice2_block, stride_yt, stride_yr,
-    stride_bs, stride_bn, stride_br, stride_ot, stride_on, BLOCK_T: tl.constexpr,
+    n_blocks, R, N, slice1_col, slice2_col, slice1_block, slice2_block, stride_yt, stride_ys,
+    stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on, BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SEGS_PER_ITEM: tl.constexpr,
     COLS_ALIGNED: tl.constexpr, RANK_ALIGN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Y_EVERY_SLOT: tl.constexpr,
 ):  # fmt: skip
     """`_sgmv_expand_kernel` with SEGS_PER_ITEM > 1: the items of consecutive segments."""
     num_segments = tl.load(num_segments_ptr)
@@ -518,8 +536,9 @@ def _expand_runs(
                     b = tl.where((offs_r < rank)[:, None], b, 0.0)
                     held = slot
                 y = _y_block(
-                    y_ptr, offs_t, mask_t, slice_idx, R, offs_r, rank, stride_yt, stride_yr
-                )
+                    y_ptr, offs_t, mask_t, slot, slice_idx, R, offs_r, rank, stride_yt,
+                    stride_ys, stride_yr, Y_EVERY_SLOT,
+                )  # fmt: skip
                 # Onto the stored values in float32, rounded once (as `_expand_item` rounds).
                 acc = tl.dot(y.to(b.dtype), b, prev.to(tl.float32), input_precision=DOT_PRECISION)
                 tl.store(out_ptrs, acc.to(prev.dtype), mask=out_mask)
@@ -753,6 +772,7 @@ def sgmv_expand(
     slice_offsets: Sequence[int],
     *,
     variant: str | None = None,
+    y_every_slot: bool = False,
 ) -> Tensor:
     """Expand every token by its segment's adapter and add into `out` in place.
 
@@ -760,7 +780,10 @@ def sgmv_expand(
     for each slice i with o_i = slice_offsets[i], n < slice_offsets[i+1] - o_i.
 
     Args:
-        y: [T, S*R] shrink output (float32 or the B dtype).
+        y: [T, S*R] shrink output (float32 or the B dtype); with `y_every_slot`
+            [T, slots·S*R], every slot's shrink of every token, token t's own at columns
+            slot(t)·S*R onwards (a product whose weight carries the pool's A rows), rows
+            may be strided.
         B: [slots, out_total, R] pool B buffer, fp16/bf16/fp32.
         out: [T, out_total] written in place (any float dtype, may be a strided view).
         segs: segments of this batch.
@@ -779,8 +802,9 @@ def sgmv_expand(
         raise ValueError(f"slice_offsets {list(slice_offsets)} must span out {tuple(out.shape)}")
     if any(lo >= hi for lo, hi in zip(slice_offsets, slice_offsets[1:], strict=False)):
         raise ValueError(f"slice_offsets {list(slice_offsets)} must ascend strictly")
-    if y.shape != (num_tokens, num_slices * pool_rank):
-        raise ValueError(f"y {tuple(y.shape)} != [{num_tokens}, {num_slices * pool_rank}]")
+    y_width = num_slices * pool_rank * (B.shape[0] if y_every_slot else 1)
+    if y.shape != (num_tokens, y_width):
+        raise ValueError(f"y {tuple(y.shape)} != [{num_tokens}, {y_width}]")
     segs.require_tokens(num_tokens)
     if num_tokens == 0:
         return out
@@ -806,7 +830,8 @@ def sgmv_expand(
     args = (
         y, B, out, segs.seg_indptr, segs.seg_slot, segs.slot_rank, segs.num_segments,
         n_blocks, pool_rank, out_total, *slice_cols[:2], *slice_blocks[:2],
-        *y.stride(), *B.stride(), *out.stride(),
+        y.stride(0), num_slices * pool_rank * y.stride(1), y.stride(1), *B.stride(),
+        *out.stride(),
     )  # fmt: skip
     common = {
         "BLOCK_T": segs.max_seg_len,
@@ -818,8 +843,9 @@ def sgmv_expand(
         **({} if plan.num_stages is None else {"num_stages": plan.num_stages}),
     }
     fast(_sgmv_expand_kernel)[(programs,)](
-        *args, PLANNED=plan.planned, SEGS_PER_ITEM=segs_per_item, **common
-    )
+        *args, PLANNED=plan.planned, SEGS_PER_ITEM=segs_per_item, Y_EVERY_SLOT=y_every_slot,
+        **common,
+    )  # fmt: skip
     return out
 
 
@@ -836,13 +862,20 @@ def sgmv_shrink_ref(x: Tensor, A: Tensor, segs: LoraSegments, num_slices: int = 
 
 
 def sgmv_expand_ref(
-    y: Tensor, B: Tensor, out: Tensor, segs: LoraSegments, slice_offsets: Sequence[int]
+    y: Tensor,
+    B: Tensor,
+    out: Tensor,
+    segs: LoraSegments,
+    slice_offsets: Sequence[int],
+    y_every_slot: bool = False,
 ) -> Tensor:
     """Torch gather + bmm reference of `sgmv_expand` in B's dtype (float32 accumulated in
     float64, as `sgmv_shrink_ref`), in place."""
     num_tokens = out.shape[0]
     pool_rank = B.shape[2]
     slot = segs.token_slot[:num_tokens].long()  # [T]
+    if y_every_slot:  # [T, slots, S·R] → each token's own slot's [T, S·R]
+        y = y.reshape(num_tokens, B.shape[0], -1)[torch.arange(num_tokens), slot.clamp(min=0)]
     keep = live_rank_columns(segs.slot_rank, slot, pool_rank)  # [T, R]
     b = torch.where(keep[:, None, :], B[slot.clamp(min=0)], 0)  # [T, out_total, R]
     for i, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:], strict=False)):

@@ -19,6 +19,8 @@ from inference_svc.lora.apply import (
     PendingLinearLora,
     finish_linear_lora,
     one_token_linear_lora,
+    product_with_lora,
+    shrinks_in_product,
     start_linear_lora,
 )
 from kernels import fused_moe as fm
@@ -111,12 +113,10 @@ class Linear(nn.Module):
                 )
             return gemv(x, info.weight, *norm_args, gated=gated, lora=gemv_lora, residual=residual)
         x = self._input(x, norm, gated)
-        pending = None
-        if has_lora:  # issued first: the shrink runs beside the base matmul (start_linear_lora)
-            pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
-        y = self._matmul(x)
-        if pending is not None:
-            finish_linear_lora(pending, y, self.lora, self.slice_offsets)
+        if not has_lora:
+            return self._matmul(x)
+        y, pending = self._product_with_shrink(x, lora)
+        finish_linear_lora(pending, y, self.lora, self.slice_offsets)
         return y
 
     def runs_one_token_lora(self, x: torch.Tensor) -> bool:
@@ -133,9 +133,25 @@ class Linear(nn.Module):
         query correction, lora_apply.finish_q_b_lora_with_kv_b_q)."""
         if self.lora is None or self.runs_one_token_lora(x):
             raise ValueError("forward_leaving_expand needs LoRA and a multi-token product")
-        x = self._input(x, norm, False)
+        return self._product_with_shrink(self._input(x, norm, False), lora)
+
+    def _product_with_shrink(
+        self, x: torch.Tensor, lora: LoraSegments
+    ) -> tuple[torch.Tensor, PendingLinearLora]:
+        """The product [T, out] and this module's LoRA shrink: both in one product with the
+        pool's carrier where `shrinks_in_product` (the output then a row-strided view), else
+        the shrink issued first, so that it runs beside the base matmul (start_linear_lora)."""
+        if shrinks_in_product(self.lora, x.shape[0]):
+            return product_with_lora(x, self.lora, lora)
         pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
         return self._matmul(x), pending
+
+    def keep_weight_in(self, carrier: torch.Tensor) -> None:
+        """Read the weight from carrier[:out] from now on (`LoraPool.carry_base_weights`
+        copied it there): the old storage is freed."""
+        if self.quant.quant_info(self).scale is not None:
+            raise ValueError(f"a {self.quant.name} weight has a scale; the pool carries bf16 ones")
+        self.weight.data = carrier[: self.out_features]
 
     def _input(self, x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
         if norm is not None:

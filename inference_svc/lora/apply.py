@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from inference_svc.layers.streams import lora_side_stream
@@ -48,12 +49,15 @@ class LoraWeights:
     """One module instance's pool buffers (views, so slot loads show through).
 
     a: [S, stack·R, in] (MoE: [S, E, stack·R, in]); b: [S, out, R] (MoE: [S, E, out, R]);
-    rank: int32 [S] each slot's rank in this module, 0 where its adapter does not target it.
+    rank: int32 [S] each slot's rank in this module, 0 where its adapter does not target it;
+    carrier: [out + S·stack·R, in] the module's base weight above `a` viewed flat, where the
+    pool carries it (`LoraPool.carry_base_weights`), else None.
     """
 
     a: Tensor
     b: Tensor
     rank: Tensor
+    carrier: Tensor | None = None
 
     def segments(self, segs: LoraSegments) -> LoraSegments:
         """The batch's segments as this module's kernels read them: tokens of adapters
@@ -65,14 +69,17 @@ class LoraWeights:
 class PendingLinearLora:
     """A linear module's LoRA shrink, issued before the module's base matmul.
 
-    y: [T, S·R] the intermediate (float32 on CUDA); stream: the side stream it is computed
-    on (None: the current stream, already ordered); segments: the batch's segments as this
-    module's kernels read them (`LoraWeights.segments`), made once for shrink and expand.
+    y: [T, S·R] the intermediate (float32 on CUDA); with `every_slot` [T, slots·S·R],
+    every slot's shrink of every token, the tail of the product with the carrier
+    (`product_with_lora`); stream: the side stream it is computed on (None: the current
+    stream, already ordered); segments: the batch's segments as this module's kernels read
+    them (`LoraWeights.segments`), made once for shrink and expand.
     """
 
     y: Tensor
     stream: torch.cuda.Stream | None
     segments: LoraSegments
+    every_slot: bool = False
 
 
 # Largest step whose linear shrinks run on the side stream. A longer step's base matmul
@@ -125,6 +132,40 @@ def start_linear_lora(
     return PendingLinearLora(y, side, segments)
 
 
+# Largest step whose carried linears take their shrink inside the base product: it adds
+# S·stack·R columns to the product, free where the product reads its weight (a decode
+# step), not where it computes (a prompt chunk).
+SHRINK_IN_PRODUCT_MAX_TOKENS = 256
+
+
+def shrinks_in_product(weights: LoraWeights, num_tokens: int) -> bool:
+    """Whether a step of `num_tokens` multiplies by the carrier (`product_with_lora`): the
+    module's weight is carried, the step is short, and it has at least as many tokens as
+    the pool has slots. The product reads every slot's A rows, the side-stream shrink only
+    those of the step's adapters, so a step that cannot use most slots keeps the shrink.
+    H200, 8-layer decode steps with 32 rank-16 adapters in a 32-slot pool, means of two
+    alternating runs (docs/benchmarks.md, fortieth session): B=64 / 128 / 256 −33 / −43 /
+    −69 µs; adapters off the routed experts −63 / −63 / −109 µs; with every module carried,
+    B=16 × 8 adapters (a one-off bound: 8 of 32 slots used) lost 20-30 µs."""
+    slots = weights.a.shape[0]
+    return weights.carrier is not None and slots <= num_tokens <= SHRINK_IN_PRODUCT_MAX_TOKENS
+
+
+def product_with_lora(
+    x: Tensor, weights: LoraWeights, segs: LoraSegments
+) -> tuple[Tensor, PendingLinearLora]:
+    """Where `shrinks_in_product`: x [T, in] · carrierᵀ, one product that is the base output
+    [T, out] (a view whose rows are strided by the carrier's width) and every slot's shrink
+    of every token, rounded to x's dtype as the kernels round y before their expand. The
+    side stream's shrink launch and its join go; `finish_linear_lora` adds the expand."""
+    out_features = weights.b.shape[1]
+    product = F.linear(x, weights.carrier)  # [T, out + S·stack·R]
+    pending = PendingLinearLora(
+        product[:, out_features:], None, weights.segments(segs), every_slot=True
+    )
+    return product[:, :out_features], pending
+
+
 def finish_linear_lora(
     pending: PendingLinearLora, out: Tensor, weights: LoraWeights, slice_offsets: Sequence[int]
 ) -> None:
@@ -134,12 +175,13 @@ def finish_linear_lora(
         out: [T, out] the linear's output, written in place.
         slice_offsets: S+1 column offsets of the stacked slices (0 first, out last).
     """
+    args = (pending.y, weights.b, out, pending.segments, slice_offsets)
     if not out.is_cuda:
-        sgmv_expand_ref(pending.y, weights.b, out, pending.segments, slice_offsets)
+        sgmv_expand_ref(*args, y_every_slot=pending.every_slot)
         return
     if pending.stream is not None:
         torch.cuda.current_stream(out.device).wait_stream(pending.stream)
-    sgmv_expand(pending.y, weights.b, out, pending.segments, slice_offsets)
+    sgmv_expand(*args, y_every_slot=pending.every_slot)
 
 
 # Steps of at least this many tokens add a gated MLP's gate_up LoRA expand in the launch of
@@ -148,9 +190,11 @@ def finish_linear_lora(
 GATE_UP_EXPAND_WITH_SILU_MIN_TOKENS = 4096
 
 
-def expands_gate_up_with_silu(num_tokens: int) -> bool:
-    """Whether a gated MLP's step of `num_tokens` takes `finish_gate_up_lora_with_silu`."""
-    return num_tokens >= GATE_UP_EXPAND_WITH_SILU_MIN_TOKENS
+def expands_gate_up_with_silu(gate_up: LoraWeights, num_tokens: int) -> bool:
+    """Whether a gated MLP's step of `num_tokens` takes `finish_gate_up_lora_with_silu`
+    (never where gate_up's shrink rides in its product, which leaves no per-token y)."""
+    long_step = num_tokens >= GATE_UP_EXPAND_WITH_SILU_MIN_TOKENS
+    return long_step and not shrinks_in_product(gate_up, num_tokens)
 
 
 def finish_gate_up_lora_with_silu(
@@ -159,6 +203,8 @@ def finish_gate_up_lora_with_silu(
     """`finish_linear_lora` of a gated MLP's gate_up, then SiLU·mul, in one launch on CUDA:
     act[t] = silu(g) · u for g | u = gate_up[t] + B[slot] · y[t] (rounded to gate_up's dtype
     first, as the expand stores it); gate_up [T, 2I] is read, not written. Returns [T, I]."""
+    if pending.every_slot:  # `expands_gate_up_with_silu` keeps the two apart
+        raise ValueError("a shrink inside the product leaves no y for the activation's launch")
     if not gate_up.is_cuda:
         return sgmv_expand_silu_mul_ref(pending.y, weights.b, gate_up, pending.segments)
     if pending.stream is not None:
@@ -260,6 +306,8 @@ def finish_q_b_lora_with_kv_b_q(
 
     Args: q [T, H·(nope+rope)] q_b's output, in place; q_lat [T, H, C] overwritten.
     """
+    if pending.every_slot:  # q_b is not carried (lora.attach.CARRIED_MODULES)
+        raise ValueError("q_b's expand with kv_b's query correction reads y per token")
     if q.is_cuda and pending.stream is not None:
         torch.cuda.current_stream(q.device).wait_stream(pending.stream)
     apply = q_b_expand_kv_b_q if q.is_cuda else q_b_expand_kv_b_q_ref

@@ -1,14 +1,16 @@
 """Point a model's LoRA-carrying modules at the slot pool's buffers of their layer.
 
 The modules keep views of the pool's fixed allocations, so loading or unloading a slot takes
-effect without re-attaching, and captured CUDA graphs keep reading the right memory.
+effect without re-attaching, and captured CUDA graphs keep reading the right memory. Some
+dense linears' bf16 base weights move into the pool's allocations (`CARRIED_MODULES`), each
+above its A buffer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from torch import nn
+from torch import Tensor, nn
 
 from inference_svc.layers.linear import Linear
 from inference_svc.lora.apply import LoraWeights
@@ -16,6 +18,12 @@ from inference_svc.lora.pool import LoraPool
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
 
 _ATTN = ("qkv_a", "q", "q_b", "kv_b", "o")
+# The modules whose bf16 base weights the pool carries (`LoraPool.carry_base_weights`), so
+# that a short step's shrink rides in the base product (lora_apply.shrinks_in_product).
+# Not q_b: carried too, it took back 20-40 µs of the gain of an 8-layer decode step at
+# B=64 / 128 × 32 adapters (H200, docs/benchmarks.md, fortieth session). Not kv_b (its
+# linear runs only on prompts' context rows) nor q (models without q_lora_rank): unmeasured.
+CARRIED_MODULES = frozenset({"attn.qkv_a", "attn.o", "mlp.gate_up", "mlp.down"})
 
 
 def attach_lora_pool(model: DeepseekV3Model, pool: LoraPool) -> None:
@@ -39,12 +47,24 @@ def attach_lora_pool(model: DeepseekV3Model, pool: LoraPool) -> None:
         raise ValueError(
             f"LoRA pool does not fit the model: lacks {missing[:5]}, has extra {sorted(extra)[:5]}"
         )
+    for layer, module, owner, _ in targets:
+        if isinstance(owner, Linear):
+            a, b = pool.lora_a(layer, module), pool.lora_b(layer, module)
+            _check_linear(owner, a, b, layer, module)
+    pool.carry_base_weights(
+        {
+            (layer, module): owner
+            for layer, module, owner, _ in targets
+            if module in CARRIED_MODULES
+            and isinstance(owner, Linear)
+            and owner.quant.quant_info(owner).scale is None
+        }
+    )
     for layer, module, owner, attribute in targets:
         weights = LoraWeights(
-            pool.lora_a(layer, module), pool.lora_b(layer, module), pool.rank_of(layer, module)
-        )
-        if isinstance(owner, Linear):
-            _check_linear(owner, weights, layer, module)
+            pool.lora_a(layer, module), pool.lora_b(layer, module), pool.rank_of(layer, module),
+            pool.carrier(layer, module),
+        )  # fmt: skip
         setattr(owner, attribute, weights)
 
 
@@ -63,14 +83,13 @@ def lora_targets(model: DeepseekV3Model) -> Iterator[tuple[int, str, nn.Module, 
             yield index, "moe.down", layer.moe, "lora_down"
 
 
-def _check_linear(linear: Linear, weights: LoraWeights, layer: int, module: str) -> None:
+def _check_linear(linear: Linear, a: Tensor, b: Tensor, layer: int, module: str) -> None:
     if (
-        weights.a.shape[2] != linear.in_features
-        or weights.b.shape[1] != linear.out_features
-        or weights.a.shape[1] != len(linear.output_sizes) * weights.b.shape[2]
+        a.shape[2] != linear.in_features
+        or b.shape[1] != linear.out_features
+        or a.shape[1] != len(linear.output_sizes) * b.shape[2]
     ):
         raise ValueError(
-            f"layers.{layer}.{module}: pool A {tuple(weights.a.shape)} / B "
-            f"{tuple(weights.b.shape)} do not fit the layer (in {linear.in_features}, "
-            f"out slices {linear.output_sizes})"
+            f"layers.{layer}.{module}: pool A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
+            f"the layer (in {linear.in_features}, out slices {linear.output_sizes})"
         )

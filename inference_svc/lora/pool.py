@@ -23,7 +23,10 @@ MoE kernels index `[slot, expert]` without a per-slot layout flag. The pool need
 per-expert memory anyway (a per-expert adapter can land in any slot).
 
 Layers with the same module shape share one allocation `[layers, S, ...]`; `lora_a` /
-`lora_b` return per-layer views, which are contiguous.
+`lora_b` return per-layer views, which are contiguous. `carry_base_weights` moves dense
+modules' base weights into their A allocation, each layer's [N, in] right above its
+[S·stack·R, in] A rows (`carrier`): one product with the carrier is the base output and
+every slot's shrink (`inference_svc.lora.apply.shrinks_in_product`).
 
 Loads run on a side CUDA stream that first waits for the work already queued on the
 current stream (a forward may still read the evicted adapter) and record an event the
@@ -51,6 +54,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -208,6 +212,16 @@ def plan_num_slots(config: LoraPoolConfig, shapes: Mapping[str, ModuleShape]) ->
     return slots
 
 
+class CarriedModule(Protocol):
+    """A dense module whose base weight the pool can carry (`LoraPool.carry_base_weights`)."""
+
+    @property
+    def weight(self) -> Tensor: ...
+
+    def keep_weight_in(self, carrier: Tensor) -> None:
+        """Read the weight from carrier[:N] from now on (its values are already there)."""
+
+
 @dataclass(frozen=True)
 class SlotLoad:
     """A copy into a slot in flight: wait for `event` before reading the slot on a stream."""
@@ -281,6 +295,8 @@ class LoraPool:
         self._half_free: list[torch.cuda.Event | None] = [None, None]
         self._copy_views: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
         self._group_layers = tuple(a_all.shape[0] for a_all, _ in self._groups)
+        # (layer, module) -> [N + S·stack·R, in]: the base weight above the A buffer.
+        self._carriers: dict[tuple[int, str], Tensor] = {}
 
     @classmethod
     def from_config(cls, shapes: Mapping[str, ModuleShape], config: LoraPoolConfig) -> LoraPool:
@@ -294,6 +310,57 @@ class LoraPool:
     def lora_b(self, layer: int, module: str) -> Tensor:
         """B buffer of one module instance: [S, out_total, R] (MoE [S, E, out_total, R])."""
         return self._b[layer, module]
+
+    def carrier(self, layer: int, module: str) -> Tensor | None:
+        """[N + S·stack·R, in]: the module instance's base weight (rows :N) above its A
+        buffer viewed flat, where `carry_base_weights` moved the weight here; else None."""
+        return self._carriers.get((layer, module))
+
+    def carry_base_weights(self, modules: Mapping[tuple[int, str], CarriedModule]) -> None:
+        """Move the base weights [N, in] of dense (non-expert) module instances into the
+        pool: each group of one module shape whose every layer is in `modules` (weights in
+        the pool's dtype) gets one allocation [layers, N + S·stack·R, in] holding each
+        layer's weight above its A buffer, which it replaces (contents copied); each module
+        then reads its weight from `carrier(layer, module)[:N]` (`keep_weight_in`), so the
+        old weights are freed group by group (the extra memory is one group's weights while
+        it moves). A group already carried is left as it is; it raises ValueError unless
+        the modules' weights are its carriers' own rows (another model's)."""
+        current = torch.cuda.current_stream(self.device) if self._stream is not None else None
+        if current is not None:  # a load in flight writes the A buffers this copies
+            current.wait_stream(self._stream)
+        for group, shape in enumerate(self.shapes.values()):
+            keys = [(layer, shape.module) for layer in shape.layers]
+            if shape.num_experts is not None or any(key not in modules for key in keys):
+                continue
+            n = shape.out_features
+            if keys[0] in self._carriers:
+                held = self._carriers
+                if any(modules[key].weight.data_ptr() != held[key].data_ptr() for key in keys):
+                    raise ValueError(f"{shape.module}: the pool carries another model's weights")
+                continue
+            for key in keys:
+                w = modules[key].weight
+                if w.shape != (n, shape.in_features) or w.dtype != self.dtype:
+                    raise ValueError(
+                        f"{module_key(*key)}: weight {tuple(w.shape)} {w.dtype} does not fit "
+                        f"[{n}, {shape.in_features}] {self.dtype}"
+                    )
+            a_all, b_all = self._groups[group]  # [L, S, stack·R, in]
+            carriers = torch.empty(
+                (len(keys), n + a_all.shape[1] * a_all.shape[2], shape.in_features),
+                dtype=self.dtype, device=self.device,
+            )  # fmt: skip
+            carriers[:, n:].copy_(a_all.flatten(1, 2))
+            a_all = carriers[:, n:].unflatten(1, a_all.shape[1:3])  # each layer's contiguous
+            self._groups[group] = (a_all, b_all)
+            for index, key in enumerate(keys):
+                carriers[index, :n].copy_(modules[key].weight)
+                modules[key].keep_weight_in(carriers[index])
+                self._a[key] = a_all[index]
+                self._carriers[key] = carriers[index]
+        self._copy_views.clear()  # views of the replaced A buffers
+        if current is not None:  # later loads write the new A buffers after these copies
+            self._stream.wait_stream(current)
 
     def rank_of(self, layer: int, module: str) -> Tensor:
         """int32 [S] rank of each slot's adapter in one module instance (0: not targeted);

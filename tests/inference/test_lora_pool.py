@@ -225,3 +225,81 @@ def test_cuda_load_and_unload_never_wait_for_the_gpu(packed: bool) -> None:
     unload.wait_on()
     torch.cuda.synchronize()
     assert_slot_holds(host_copy(pool), 0, adapter)
+
+
+class _Dense:
+    """A dense module as `LoraPool.carry_base_weights` sees it."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def keep_weight_in(self, carrier: torch.Tensor) -> None:
+        self.weight = carrier[: self.weight.shape[0]]
+
+
+def _dense_modules(pool: LoraPool, seed: int) -> dict[tuple[int, str], _Dense]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        (layer, module): _Dense(torch.randn(pool.lora_b(layer, module).shape[1],
+                                            pool.lora_a(layer, module).shape[-1], generator=gen))
+        for layer, module in pool.module_instances()
+        if not module.startswith("moe.")
+    }  # fmt: skip
+
+
+def _assert_carried(pool: LoraPool, modules: dict, weights: dict) -> None:
+    """Each carrier is the module's weight (the module reading it there) above the module
+    instance's A buffer, the two sharing its memory."""
+    for (layer, module), dense in modules.items():
+        carrier = pool.carrier(layer, module)
+        a = pool.lora_a(layer, module)
+        n = weights[layer, module].shape[0]
+        assert carrier.shape == (n + a.shape[0] * a.shape[1], a.shape[2]) and a.is_contiguous()
+        assert torch.equal(carrier[:n], weights[layer, module])
+        assert dense.weight.data_ptr() == carrier.data_ptr()
+        assert a.data_ptr() == carrier[n:].data_ptr()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_carried_base_weights_sit_above_every_slots_a_rows(packed: bool) -> None:
+    """`carry_base_weights` moves the dense modules' weights into the pool, A buffers and
+    their contents with them (a slot loaded before); loads (tensor and packed paths) and
+    unloads afterwards land in the carriers; a second carry of the same modules is a no-op,
+    another model's is refused; expert modules and groups given in part are not carried."""
+    pool = _pool()
+    first, second = (random_adapter(_config(), 8, seed=seed) for seed in (21, 22))
+
+    def load(slot, adapter):  # type: ignore[no-untyped-def]
+        pool.load(slot, pool.packing.pack(adapter) if packed else adapter)
+
+    load(1, first)
+    load(1, first)  # both staging halves: the packed path's views of slot 1 all cached
+    modules = _dense_modules(pool, seed=23)
+    weights = {key: dense.weight.clone() for key, dense in modules.items()}
+    partial = {key: dense for key, dense in modules.items() if key != (0, "attn.o")}
+    pool.carry_base_weights(partial)
+    assert pool.carrier(0, "attn.o") is None and pool.carrier(1, "attn.o") is None
+    pool.carry_base_weights(modules)
+    _assert_carried(pool, modules, weights)
+    experts = [key for key in pool.module_instances() if key[1].startswith("moe.")]
+    assert all(pool.carrier(*key) is None for key in experts)
+    assert_slot_holds(pool, 1, first)
+    load(1, second)  # the layout and slot of a load before: no view of the old A buffers
+    load(2, first)
+    assert_slot_holds(pool, 1, second)
+    pool.unload(1)
+    assert_slot_empty(pool, 1)
+    assert_slot_holds(pool, 2, first)
+    _assert_carried(pool, modules, weights)
+    pool.carry_base_weights(modules)
+    _assert_carried(pool, modules, weights)
+    with pytest.raises(ValueError, match="carries another model's weights"):
+        pool.carry_base_weights(_dense_modules(pool, seed=24))
+
+
+def test_carried_weights_must_fit_the_pool() -> None:
+    pool = _pool()
+    modules = _dense_modules(pool, seed=25)
+    modules[1, "attn.o"] = _Dense(modules[1, "attn.o"].weight[:, :-1])
+    with pytest.raises(ValueError, match=r"layers\.1\.attn\.o: weight"):
+        pool.carry_base_weights(modules)

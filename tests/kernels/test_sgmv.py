@@ -86,6 +86,35 @@ def test_sgmv_matches_reference(popularity, slice_offsets, dtype, variants) -> N
     assert_close(sgmv_expand(y, B, out, segs, slice_offsets, variant=expand_v), expected, dtype)
 
 
+@pytest.mark.parametrize("variant", list(EXPAND_VARIANTS))
+@pytest.mark.parametrize("popularity", ["zipf", "distinct", "all_base"])
+@pytest.mark.parametrize("slice_offsets", [DENSE_SLICES, QKV_A_SLICES], ids=["1slice", "qkv_a"])
+@pytest.mark.parametrize("pool_rank", [16, 96])
+def test_expand_reads_each_tokens_own_slot_of_a_product_output(
+    popularity, slice_offsets, pool_rank, variant
+) -> None:  # type: ignore[no-untyped-def]
+    """`y_every_slot`: y is the tail of one product x · [W; A_0; …; A_S-1]ᵀ (every slot's
+    shrink of every token, rows strided by the product's width, rounded to the product's
+    dtype); each token adds its own slot's columns only. Other slots' columns hold NaN, so
+    reading any of them shows."""
+    num_slices = len(slice_offsets) - 1
+    segs, x, A, B, out = sgmv_case(popularity, 41, 60, slice_offsets, pool_rank, torch.float32, 7)
+    num_slots, width = A.shape[0], num_slices * pool_rank
+    every = torch.einsum("tk,sjk->tsj", x, A)  # [T, slots, S·R]
+    slot = segs.token_slot[: x.shape[0]].long()
+    foreign = slot[:, None] != torch.arange(num_slots)[None, :]  # [T, slots]
+    every = torch.where(foreign[:, :, None], float("nan"), every)
+    product = torch.cat([out, every.reshape(x.shape[0], num_slots * width)], dim=1)
+    y = product[:, out.shape[1] :]
+    own = sgmv_shrink_ref(x, A, segs, num_slices)
+    expected = sgmv_expand_ref(own, B, out.clone(), segs, slice_offsets)
+    reference = sgmv_expand_ref(y, B, out.clone(), segs, slice_offsets, y_every_slot=True)
+    assert_close(reference, expected, torch.float32)
+    sgmv_expand(y, B, product[:, : out.shape[1]], segs, slice_offsets, variant=variant,
+                y_every_slot=True)  # fmt: skip
+    assert_close(product[:, : out.shape[1]], expected, torch.float32)
+
+
 @pytest.mark.parametrize("variants", VARIANTS, ids="-".join)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_split_k_prefill_segments_and_rank_below_block(dtype, variants) -> None:  # type: ignore[no-untyped-def]
@@ -316,6 +345,28 @@ def test_sgmv_bf16_gpu(popularity, num_tokens, in_dim, pool_rank, seg_len, varia
     expected = sgmv_expand_ref(y_ref, B.float(), out.float(), segs, slices)
     got = sgmv_expand(y, B, out, segs, slices, variant=expand_v)
     assert_close(got, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(EXPAND_VARIANTS))
+@pytest.mark.parametrize("num_tokens,pool_rank", [(64, 16), (256, 64)])
+def test_expand_of_a_carried_product_bf16_gpu(num_tokens, pool_rank, variant) -> None:  # type: ignore[no-untyped-def]
+    """`y_every_slot` compiled, in bf16: one cuBLAS product x · [W; A_0; …]ᵀ (qkv_a's
+    slices at V2-Lite's width) gives the base output and every slot's shrink, and the
+    expand adds each token's own slot's, as the separate shrink and expand do."""
+    slices = [0, 1536, 1536 + 576]
+    segs, x, A, B, _ = sgmv_case("distinct", num_tokens, 2048, slices, pool_rank, torch.bfloat16, 9)
+    segs = build_lora_segments(segs.token_slot[:num_tokens].tolist(), segs.slot_rank, device="cuda")
+    x, A, B = (t.cuda() for t in (x, A, B))
+    weight = torch.randn(slices[-1], 2048, dtype=torch.bfloat16, device="cuda") / 2048**0.5
+    product = x @ torch.cat([weight, A.flatten(0, 1)]).T  # [T, N + S·2R]
+    base = product[:, : slices[-1]]
+    expected = sgmv_expand_ref(
+        sgmv_shrink_ref(x.float(), A.float(), segs, 2), B.float(), base.float(), segs, slices
+    )
+    sgmv_expand(product[:, slices[-1] :], B, base, segs, slices, variant=variant,
+                y_every_slot=True)  # fmt: skip
+    assert_close(base, expected, torch.bfloat16)
 
 
 @pytest.mark.gpu

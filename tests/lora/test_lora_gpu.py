@@ -126,6 +126,37 @@ def test_steps_without_routed_expert_adapters_replay_their_own_graph(tiny_model_
 
 
 @pytest.mark.parametrize("graphs", [(), (1, 2, 4, 8)], ids=["eager", "graphs"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, GPU_FP32_SLACK), (torch.bfloat16, 2e-2)])
+def test_shrink_inside_the_product_equals_the_side_stream_shrink(
+    tiny_model_dirs, monkeypatch, graphs, dtype, tol
+):  # type: ignore[no-untyped-def]
+    """Steps of at least the pool's 4 slots multiply the linears' input by their carriers
+    (base weight and every slot's A rows: the shrink inside the product) and the expand
+    reads each token's own slot's columns; with that path off they shrink on the side
+    stream. The same logprobs, eager and in graph replays, up to a reduction order's worth
+    in float32 (the two paths sum y in other orders)."""
+    from inference_svc.layers import linear
+    from inference_svc.lora import apply
+
+    calls = _count_calls(monkeypatch, (linear, "product_with_lora"))
+    tokens = random_tokens([9, 12, 7, 10, 11], seed=29)
+    slots = [1, 1, -1, 3, 1]
+    runs, carried = [], []
+    for limit in (apply.SHRINK_IN_PRODUCT_MAX_TOKENS, 0):
+        monkeypatch.setattr(apply, "SHRINK_IN_PRODUCT_MAX_TOKENS", limit)
+        calls.clear()
+        runner, _ = _adapted_runner(tiny_model_dirs[SPEC], dtype, cuda_graph_sizes=graphs)
+        scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
+        scenario.run([4, 5, 3, 6, 2])
+        runs.append(scenario.seqs)
+        carried.append(calls.get("product_with_lora", 0))
+    assert carried[0] > 0 and carried[1] == 0, carried
+    for inside, beside in zip(*runs, strict=True):
+        diff = (torch.stack(inside.logprobs) - torch.stack(beside.logprobs)).abs().max()
+        assert diff.item() <= tol, f"slot {inside.slot}: inside vs beside {diff.item():.2e}"
+
+
+@pytest.mark.parametrize("graphs", [(), (1, 2, 4, 8)], ids=["eager", "graphs"])
 @pytest.mark.parametrize("side", ["lora", "shared_experts"])
 def test_side_streams_equal_the_same_kernels_in_order(tiny_model_dirs, monkeypatch, graphs, side):
     """Work forked onto a side stream (the default) computes exactly what the same kernels
@@ -141,6 +172,8 @@ def test_side_streams_equal_the_same_kernels_in_order(tiny_model_dirs, monkeypat
         "lora": (apply, "lora_side_stream", lambda device: None),
         "shared_experts": (deepseek_v3, "SHARED_EXPERTS_STREAM_MAX_TOKENS", 0),
     }[side]
+    # Steps of the pool's 4 slots or more would take the linears' shrink inside the product.
+    monkeypatch.setattr(apply, "SHRINK_IN_PRODUCT_MAX_TOKENS", 0)
     mlp_forward = moe.DenseMLP.forward
     mlp_streams = []
 
