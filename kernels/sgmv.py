@@ -428,13 +428,13 @@ def _sgmv_expand_kernel(
     slice1_block,
     slice2_block,
     stride_yt,
-    stride_ys,
     stride_yr,
     stride_bs,
     stride_bn,
     stride_br,
     stride_ot,
     stride_on,
+    stride_ys,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -830,8 +830,7 @@ def sgmv_expand(
     args = (
         y, B, out, segs.seg_indptr, segs.seg_slot, segs.slot_rank, segs.num_segments,
         n_blocks, pool_rank, out_total, *slice_cols[:2], *slice_blocks[:2],
-        y.stride(0), num_slices * pool_rank * y.stride(1), y.stride(1), *B.stride(),
-        *out.stride(),
+        *y.stride(), *B.stride(), *out.stride(), num_slices * pool_rank * y.stride(1),
     )  # fmt: skip
     common = {
         "BLOCK_T": segs.max_seg_len,
