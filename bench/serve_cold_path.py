@@ -122,14 +122,17 @@ class StoredAdapter:
 
 
 @contextlib.contextmanager
-def stored_adapter(root: Path, hf_config: dict[str, Any]) -> Iterator[StoredAdapter]:
+def stored_adapter(
+    root: Path, hf_config: dict[str, Any], routed: bool = True
+) -> Iterator[StoredAdapter]:
     """A real `redis-server`, `weed server -s3` and the store on loopback, with a rank-16
-    all-module PEFT adapter of `hf_config`'s shape uploaded (normalized into S3) as "cold";
-    all stopped on exit. SeaweedFS takes any credentials; the clients need some."""
+    all-module PEFT adapter of `hf_config`'s shape (`routed` False: without the routed
+    experts) uploaded (normalized into S3) as "cold"; all stopped on exit. SeaweedFS takes
+    any credentials; the clients need some."""
     for key, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
                        ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
         os.environ.setdefault(key, value)
-    peft_bytes = v2_lite_peft_folder(root / "peft", hf_config)
+    peft_bytes = v2_lite_peft_folder(root / "peft", hf_config, routed=routed)
     redis = RedisServer(root / "redis").start()
     s3 = SeaweedS3Server(root / "s3").start()
     store = ServiceProcess(
@@ -221,11 +224,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--part-mib", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="tiny adapter, 2 repeats")
+    parser.add_argument(
+        "--no-routed",
+        action="store_true",
+        help="an adapter on every module but the routed experts (what most MoE fine-tunes train)",
+    )
     args = parser.parse_args(argv)
     repeats = 2 if args.smoke else args.repeats
     hf_config = SMOKE_CONFIG if args.smoke else V2_LITE
+    routed = not args.no_routed
 
-    with tempfile.TemporaryDirectory() as tmp, stored_adapter(Path(tmp), hf_config) as stored:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        stored_adapter(Path(tmp), hf_config, routed) as stored,
+    ):
         fetchers: list[S3AdapterFetcher] = []
         try:
             sources: dict[str, AdapterSource] = {}
@@ -257,8 +269,10 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join(["python -m bench.serve_cold_path", *sys.argv[1:]]),
         "adapter": (
             f"rank 16, all modules, per-expert routed experts ({hf_config['n_routed_experts']}), "
-            f"{hf_config['num_hidden_layers']} layers, bf16"
-        ),
+            if routed
+            else "rank 16, every module but the routed experts, "
+        )
+        + f"{hf_config['num_hidden_layers']} layers, bf16",
         "peft_bytes": peft_bytes,
         "adapter_bytes": adapter.size_bytes,
         "upload_s": upload_s,

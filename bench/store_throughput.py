@@ -58,9 +58,11 @@ V2_LITE = {
 RANK = 16
 
 
-def v2_lite_peft_folder(folder: Path, c: dict = V2_LITE, rank: int = RANK) -> int:
+def v2_lite_peft_folder(
+    folder: Path, c: dict = V2_LITE, rank: int = RANK, routed: bool = True
+) -> int:
     """Write a rank-16 all-module PEFT adapter of V2-Lite's shape (or of config `c`, rank
-    `rank`); returns its byte size."""
+    `rank`; `routed` False: every module but the routed experts'); returns its byte size."""
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     attention = {
         "self_attn.q_proj": (hidden, heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"])),
@@ -88,7 +90,7 @@ def v2_lite_peft_folder(folder: Path, c: dict = V2_LITE, rank: int = RANK) -> in
         else:
             shared = c["moe_intermediate_size"] * c["n_shared_experts"]
             modules |= mlp("mlp.shared_experts", shared)
-            for expert in range(c["n_routed_experts"]):
+            for expert in range(c["n_routed_experts"] if routed else 0):
                 modules |= mlp(f"mlp.experts.{expert}", c["moe_intermediate_size"])
         for path, (fan_in, fan_out) in modules.items():
             key = f"base_model.model.model.layers.{layer}.{path}"

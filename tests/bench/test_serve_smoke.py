@@ -206,6 +206,21 @@ def test_serve_cold_path_smoke(tmp_path: Path) -> None:
     assert "not run" in table  # no GPU results in this folder: shown as such, never made up
 
 
+def test_serve_cold_path_without_the_routed_experts(tmp_path: Path) -> None:
+    """`--no-routed` stores and fetches the adapter most MoE fine-tunes are: every module
+    but the routed experts'."""
+    from bench.store_throughput import v2_lite_peft_folder
+
+    out = tmp_path / "cold.json"
+    serve_cold_path.main(["--out", str(out), "--smoke", "--no-routed", "--concurrency", "8"])
+    results = json.loads(out.read_text())
+    assert "every module but the routed experts" in results["adapter"]
+    config = serve_cold_path.SMOKE_CONFIG
+    without = v2_lite_peft_folder(tmp_path / "without", config, routed=False)
+    assert results["peft_bytes"] == without < v2_lite_peft_folder(tmp_path / "with", config)
+    assert all(stats["n"] == 2 for stats in results["stats"].values())
+
+
 def test_queued_cold_adapter_smoke(tmp_path: Path) -> None:
     """Both arms run against the real stack; the scheduler's look-ahead is restored after."""
     from inference_svc.engine.scheduler import Scheduler
