@@ -141,6 +141,38 @@ def test_attach_gives_every_module_its_layer_buffers():
     assert layer2.attn.kv_b.lora.b.data_ptr() == pool.lora_b(2, "attn.kv_b").data_ptr()
 
 
+def test_attach_moves_the_carried_modules_weights_into_the_pool():
+    """qkv_a, o and the MLPs read their weights from the pool's carriers (weights above the
+    A rows, values unchanged, the A views the carriers' tails); q_b, kv_b and the experts
+    keep their own. A second runner on the same model and pool finds them carried."""
+    from inference_svc.lora.attach import CARRIED_MODULES
+
+    model = _model("v3_q_lora")
+    pool = _pool("v3_q_lora")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ModelRunner(model, RunnerConfig(num_pages=4), pool)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+    layer = model.layers[2]
+    linears = {
+        "attn.qkv_a": layer.attn.qkv_a, "attn.o": layer.attn.o, "mlp.gate_up": layer.mlp.gate_up,
+        "mlp.down": layer.mlp.down, "attn.q_b": layer.attn.q_b, "attn.kv_b": layer.attn.kv_b,
+    }  # fmt: skip
+    for module, linear in linears.items():
+        carrier = pool.carrier(2, module)
+        assert (carrier is not None) == (module in CARRIED_MODULES), module
+        assert (linear.lora.carrier is carrier) or (carrier is None and linear.lora.carrier is None)
+        if carrier is not None:
+            n = linear.out_features
+            assert linear.weight.data_ptr() == carrier.data_ptr()
+            assert linear.lora.a.data_ptr() == carrier[n:].data_ptr()
+    ModelRunner(model, RunnerConfig(num_pages=4), pool)
+    assert layer.attn.o.weight.data_ptr() == pool.carrier(2, "attn.o").data_ptr()
+
+
 @pytest.mark.parametrize(
     "pool_spec,dtype,message",
     [
