@@ -459,7 +459,12 @@ def _sgmv_expand_kernel(
     consecutive live segments, column block) items, and an item keeps its slot's B block
     while the slot repeats (a prompt is one slot over many segments), so B is read once per
     run and column block, not once per 16 tokens. Needs BLOCK_R ≥ R (one rank tile). The
-    first item's reads before the wait are then unused."""
+    first item's reads before the wait are then unused.
+
+    Y_EVERY_SLOT: y is the tail of a product with a carried weight (every slot's shrink of
+    every token, slot s's columns stride_ys apart); each token reads its own slot's. Its
+    stride_ys comes last among the runtime arguments, so that without it the kernel
+    compiles exactly as before."""
     pid = tl.program_id(0)
     slot, rank, t_start, t_end, slice_idx, offs_n, mask_n = _expand_place(
         pid, n_blocks, seg_indptr_ptr, seg_slot_ptr, slot_rank_ptr, N, slice1_col, slice2_col,
