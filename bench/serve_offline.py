@@ -154,6 +154,7 @@ def run_scenario(
         profile_from,
     )  # fmt: skip
     synchronize(config)
+    parts = StepParts(engine) if timeline else None
     start = time.perf_counter()
     for seq in seqs:
         engine.add_request(seq)
@@ -162,8 +163,9 @@ def run_scenario(
         began = time.perf_counter()
         loads_before = slots.metrics().loads if timeline else 0
         tokens = windows.step(engine, steps)
-        if timeline:
-            entries.append(timeline_entry(engine, began - start, began, tokens, loads_before))
+        if parts is not None:
+            entry = timeline_entry(engine, began - start, began, tokens, loads_before)
+            entries.append({**entry, **parts.take()})
         if tokens:
             steps += 1
             kind = kinds["decode" if tokens <= config.max_num_seqs else "prefill"]
@@ -178,6 +180,8 @@ def run_scenario(
             break
     synchronize(config)
     seconds = time.perf_counter() - start
+    if parts is not None:
+        parts.close()
     after = slots.metrics()
     library.discard(engine, names)
     generated = sum(len(seq.output_token_ids) for seq in seqs)
@@ -230,7 +234,8 @@ def timeline_entry(
 ) -> dict[str, Any]:
     """One engine step call: when it began (s after the first submission), its wall time,
     the tokens it ran (0: nothing could run), and the state it left: running and waiting
-    requests, slot copies in flight, slot loads it started, adapters among the running."""
+    requests, slot copies in flight, slot loads it started, adapters among the running
+    (`run_scenario` adds its `StepParts`)."""
     scheduler = engine.scheduler
     return {
         "at_s": at_s,
@@ -242,6 +247,39 @@ def timeline_entry(
         "loads_started": scheduler.slots.metrics().loads - loads_before,
         "adapters_running": len({seq.adapter_key for seq in scheduler.running} - {None}),
     }
+
+
+class StepParts:
+    """Splits each engine step call of a timeline: seconds in `_launch` (the host building
+    and launching the step: its GPU work runs on) and in `_read_back` (waiting for the step
+    before's tokens, then applying them). A launch longer than the GPU's step is a
+    host-bound step."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._seconds = {"launch_s": 0.0, "read_back_s": 0.0}
+        engine._launch = self._timed(engine._launch, "launch_s")  # type: ignore[method-assign]
+        engine._read_back = self._timed(engine._read_back, "read_back_s")  # type: ignore[method-assign]
+
+    def _timed(self, method: Any, key: str) -> Any:
+        def run(*args: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                self._seconds[key] += time.perf_counter() - began
+
+        return run
+
+    def take(self) -> dict[str, float]:
+        """The seconds since the last take, by part."""
+        taken, self._seconds = self._seconds, dict.fromkeys(self._seconds, 0.0)
+        return taken
+
+    def close(self) -> None:
+        """The engine's own methods again."""
+        for name in ("_launch", "_read_back"):
+            self._engine.__dict__.pop(name, None)
 
 
 class StepWindows:
@@ -417,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--timeline",
         action="store_true",
-        help="each row lists every engine step call (time, tokens, queue, slot copies)",
+        help="each row lists every engine step call (time, tokens, queue, slot copies, and "
+        "the seconds it spent launching its step and reading back the one before)",
     )
     parser.add_argument(
         "--rounds",

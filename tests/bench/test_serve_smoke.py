@@ -106,6 +106,9 @@ def test_serve_offline_timeline(tmp_path: Path) -> None:
         assert sum(e["loads_started"] for e in entries) == row["slot_loads"]
         assert entries[-1]["running"] == entries[-1]["waiting"] == 0
         assert all(e["loads_in_flight"] >= 0 and e["seconds"] > 0 for e in entries)
+        # The launch and the read-back are parts of the step call's wall time.
+        assert all(0 <= e["launch_s"] + e["read_back_s"] <= e["seconds"] for e in entries)
+        assert all(e["launch_s"] > 0 for e in ran) and any(e["read_back_s"] > 0 for e in ran)
     zipf = next(row for row in results["rows"] if row["scenario"] == "N=8 zipf")
     assert max(e["adapters_running"] for e in zipf["timeline"]) >= 2
 
