@@ -261,18 +261,18 @@ def main(argv: list[str] | None = None) -> None:
             for fetcher in fetchers:
                 fetcher.close()
     adapter, peft_bytes, upload_s = stored.adapter, stored.peft_bytes, stored.upload_s
+    modules = (
+        f"all modules, per-expert routed experts ({hf_config['n_routed_experts']})"
+        if routed
+        else "every module but the routed experts"
+    )
 
     results = {
         "benchmark": "serve_cold_path",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
         "date": now_iso(),
         "command": " ".join(["python -m bench.serve_cold_path", *sys.argv[1:]]),
-        "adapter": (
-            f"rank 16, all modules, per-expert routed experts ({hf_config['n_routed_experts']}), "
-            if routed
-            else "rank 16, every module but the routed experts, "
-        )
-        + f"{hf_config['num_hidden_layers']} layers, bf16",
+        "adapter": f"rank 16, {modules}, {hf_config['num_hidden_layers']} layers, bf16",
         "peft_bytes": peft_bytes,
         "adapter_bytes": adapter.size_bytes,
         "upload_s": upload_s,

@@ -115,7 +115,11 @@ class Linear(nn.Module):
         x = self._input(x, norm, gated)
         if not has_lora:
             return self._matmul(x)
-        y, pending = self._product_with_shrink(x, lora)
+        if shrinks_in_product(self.lora, x.shape[0]):  # one product with the pool's carrier
+            y, pending = product_with_lora(x, self.lora, lora)  # y: a row-strided view
+        else:  # issued first: the shrink runs beside the base matmul (start_linear_lora)
+            pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
+            y = self._matmul(x)
         finish_linear_lora(pending, y, self.lora, self.slice_offsets)
         return y
 
@@ -130,19 +134,11 @@ class Linear(nn.Module):
         """`forward` where it does not run the one-token LoRA kernel (`runs_one_token_lora`
         is False) and this module has LoRA: the product [T, out] with its LoRA shrink issued,
         and the pending shrink whose expand the caller launches (MLA: q_b's expand with kv_b's
-        query correction, lora_apply.finish_q_b_lora_with_kv_b_q)."""
+        query correction, lora_apply.finish_q_b_lora_with_kv_b_q). Those launches read y per
+        token, so the shrink never rides in the product here (`shrinks_in_product`)."""
         if self.lora is None or self.runs_one_token_lora(x):
             raise ValueError("forward_leaving_expand needs LoRA and a multi-token product")
-        return self._product_with_shrink(self._input(x, norm, False), lora)
-
-    def _product_with_shrink(
-        self, x: torch.Tensor, lora: LoraSegments
-    ) -> tuple[torch.Tensor, PendingLinearLora]:
-        """The product [T, out] and this module's LoRA shrink: both in one product with the
-        pool's carrier where `shrinks_in_product` (the output then a row-strided view), else
-        the shrink issued first, so that it runs beside the base matmul (start_linear_lora)."""
-        if shrinks_in_product(self.lora, x.shape[0]):
-            return product_with_lora(x, self.lora, lora)
+        x = self._input(x, norm, False)
         pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
         return self._matmul(x), pending
 

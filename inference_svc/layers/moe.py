@@ -49,7 +49,7 @@ class DenseMLP(nn.Module):
         if (
             lora is not None
             and self.gate_up.lora is not None
-            and expands_gate_up_with_silu(self.gate_up.lora, x.shape[0])
+            and expands_gate_up_with_silu(x.shape[0])
         ):
             # A long step: gate_up's LoRA expand rides in the activation's launch.
             gate_up, pending = self.gate_up.forward_leaving_expand(x, lora)  # [T, 2·inter]

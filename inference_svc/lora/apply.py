@@ -190,11 +190,9 @@ def finish_linear_lora(
 GATE_UP_EXPAND_WITH_SILU_MIN_TOKENS = 4096
 
 
-def expands_gate_up_with_silu(gate_up: LoraWeights, num_tokens: int) -> bool:
-    """Whether a gated MLP's step of `num_tokens` takes `finish_gate_up_lora_with_silu`
-    (never where gate_up's shrink rides in its product, which leaves no per-token y)."""
-    long_step = num_tokens >= GATE_UP_EXPAND_WITH_SILU_MIN_TOKENS
-    return long_step and not shrinks_in_product(gate_up, num_tokens)
+def expands_gate_up_with_silu(num_tokens: int) -> bool:
+    """Whether a gated MLP's step of `num_tokens` takes `finish_gate_up_lora_with_silu`."""
+    return num_tokens >= GATE_UP_EXPAND_WITH_SILU_MIN_TOKENS
 
 
 def finish_gate_up_lora_with_silu(
@@ -203,8 +201,6 @@ def finish_gate_up_lora_with_silu(
     """`finish_linear_lora` of a gated MLP's gate_up, then SiLU·mul, in one launch on CUDA:
     act[t] = silu(g) · u for g | u = gate_up[t] + B[slot] · y[t] (rounded to gate_up's dtype
     first, as the expand stores it); gate_up [T, 2I] is read, not written. Returns [T, I]."""
-    if pending.every_slot:  # `expands_gate_up_with_silu` keeps the two apart
-        raise ValueError("a shrink inside the product leaves no y for the activation's launch")
     if not gate_up.is_cuda:
         return sgmv_expand_silu_mul_ref(pending.y, weights.b, gate_up, pending.segments)
     if pending.stream is not None:
@@ -306,8 +302,6 @@ def finish_q_b_lora_with_kv_b_q(
 
     Args: q [T, H·(nope+rope)] q_b's output, in place; q_lat [T, H, C] overwritten.
     """
-    if pending.every_slot:  # q_b is not carried (lora.attach.CARRIED_MODULES)
-        raise ValueError("q_b's expand with kv_b's query correction reads y per token")
     if q.is_cuda and pending.stream is not None:
         torch.cuda.current_stream(q.device).wait_stream(pending.stream)
     apply = q_b_expand_kv_b_q if q.is_cuda else q_b_expand_kv_b_q_ref

@@ -144,8 +144,6 @@ def test_long_steps_add_the_gate_up_lora_in_the_activation(tiny_model_dirs, monk
     if kernels == "triton":
         _route_through_triton(monkeypatch, "auto")
     monkeypatch.setattr(apply, "GATE_UP_EXPAND_WITH_SILU_MIN_TOKENS", 4)
-    # Else every step here (2 slots) would take the shrink inside the product instead.
-    monkeypatch.setattr(apply, "SHRINK_IN_PRODUCT_MAX_TOKENS", 2)
     fused_calls = []
 
     def counted(pending, gate_up, weights):  # type: ignore[no-untyped-def]
