@@ -258,6 +258,7 @@ class StepParts:
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
         self._seconds = {"launch_s": 0.0, "read_back_s": 0.0}
+        self._counts = allocator_counts()
         engine._launch = self._timed(engine._launch, "launch_s")  # type: ignore[method-assign]
         engine._read_back = self._timed(engine._read_back, "read_back_s")  # type: ignore[method-assign]
 
@@ -272,14 +273,32 @@ class StepParts:
         return run
 
     def take(self) -> dict[str, float]:
-        """The seconds since the last take, by part."""
+        """The seconds since the last take, by part, and the caching allocator's device
+        allocations, frees and retries since then (a `cudaFree` waits for the device, so
+        a step that makes one is no longer overlapped with the step before)."""
         taken, self._seconds = self._seconds, dict.fromkeys(self._seconds, 0.0)
-        return taken
+        counts = allocator_counts()
+        moved = {key: counts[key] - self._counts.get(key, 0) for key in counts}
+        self._counts = counts
+        return {**taken, **moved}
 
     def close(self) -> None:
         """The engine's own methods again."""
         for name in ("_launch", "_read_back"):
             self._engine.__dict__.pop(name, None)
+
+
+ALLOCATOR_COUNTS = {
+    "device_allocs": "num_device_alloc",
+    "device_frees": "num_device_free",
+    "alloc_retries": "num_alloc_retries",
+}
+
+
+def allocator_counts() -> dict[str, int]:
+    """The caching allocator's running counts of `ALLOCATOR_COUNTS` (zeros off CUDA)."""
+    stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_COUNTS.items()}
 
 
 class StepWindows:

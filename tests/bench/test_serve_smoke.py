@@ -109,6 +109,7 @@ def test_serve_offline_timeline(tmp_path: Path) -> None:
         # The launch and the read-back are parts of the step call's wall time.
         assert all(0 <= e["launch_s"] + e["read_back_s"] <= e["seconds"] for e in entries)
         assert all(e["launch_s"] > 0 for e in ran) and any(e["read_back_s"] > 0 for e in ran)
+        assert all(e[name] >= 0 for e in entries for name in serve_offline.ALLOCATOR_COUNTS)
     zipf = next(row for row in results["rows"] if row["scenario"] == "N=8 zipf")
     assert max(e["adapters_running"] for e in zipf["timeline"]) >= 2
 
