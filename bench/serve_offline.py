@@ -252,8 +252,12 @@ def timeline_entry(
 class StepParts:
     """Splits each engine step call of a timeline: seconds in `_launch` (the host building
     and launching the step: its GPU work runs on) and in `_read_back` (waiting for the step
-    before's tokens, then applying them). A launch longer than the GPU's step is a
-    host-bound step."""
+    before's tokens, then applying them). The launch is not host time alone: CUDA queues
+    ~1020 launches ahead of the GPU and a launch past that waits for the GPU to take one
+    (H200, bench/results/queue_depth_s41.py.txt), so a prompt step of ~1400 launches
+    behind a busy GPU launches at the GPU's pace. A long launch followed by a read-back
+    that waits on nothing is therefore either a slow host or a full queue; a kernel
+    profile's GPU busy time against its wall time tells them apart."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
