@@ -282,7 +282,7 @@ class StepParts:
         a step that makes one is no longer overlapped with the step before)."""
         taken, self._seconds = self._seconds, dict.fromkeys(self._seconds, 0.0)
         counts = allocator_counts()
-        moved = {key: counts[key] - self._counts.get(key, 0) for key in counts}
+        moved = {key: counts[key] - self._counts[key] for key in counts}
         self._counts = counts
         return {**taken, **moved}
 

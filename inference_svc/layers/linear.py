@@ -142,10 +142,15 @@ class Linear(nn.Module):
         pending = start_linear_lora(x, self.lora, lora, len(self.output_sizes))
         return self._matmul(x), pending
 
+    def has_plain_weight(self) -> bool:
+        """Whether the weight is a plain matrix (no quantization scale): one the LoRA pool
+        can carry (`keep_weight_in`)."""
+        return self.quant.quant_info(self).scale is None
+
     def keep_weight_in(self, carrier: torch.Tensor) -> None:
         """Read the weight from carrier[:out] from now on (`LoraPool.carry_base_weights`
         copied it there): the old storage is freed."""
-        if self.quant.quant_info(self).scale is not None:
+        if not self.has_plain_weight():
             raise ValueError(f"a {self.quant.name} weight has a scale; the pool carries bf16 ones")
         self.weight.data = carrier[: self.out_features]
 

@@ -55,9 +55,7 @@ def attach_lora_pool(model: DeepseekV3Model, pool: LoraPool) -> None:
         {
             (layer, module): owner
             for layer, module, owner, _ in targets
-            if module in CARRIED_MODULES
-            and isinstance(owner, Linear)
-            and owner.quant.quant_info(owner).scale is None
+            if module in CARRIED_MODULES and isinstance(owner, Linear) and owner.has_plain_weight()
         }
     )
     for layer, module, owner, attribute in targets:
