@@ -525,6 +525,7 @@ def main(argv: list[str] | None = None) -> None:
                 "adapter_modules": adapters_label(config),
                 "moe_lora_in_gemm": config.moe_lora_in_gemm,
                 "overlap_steps": config.overlap_steps,
+                "breadth_first_admission": config.breadth_first_admission,
                 "resident": args.resident,
                 "rounds": args.rounds,
                 "layers": config.layers,

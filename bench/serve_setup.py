@@ -118,6 +118,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="read each step's tokens back before launching the next (A/B of the overlap)",
     )
+    parser.add_argument(
+        "--no-breadth-first-admission",
+        dest="breadth_first_admission",
+        action="store_false",
+        help="admit repeat requests of ready adapters while others' slot copies land "
+        "(SchedulerConfig.breadth_first_admission off; A/B of the first wave's breadth)",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, short runs")
 
 
@@ -138,6 +145,7 @@ class ServeBenchConfig:
     adapter_modules: str = "all"  # a key of ADAPTER_MODULES
     moe_lora_in_gemm: str = "auto"  # inference_svc.lora.apply.MOE_LORA_IN_GEMM
     overlap_steps: bool = True  # RuntimeConfig.overlap_steps
+    breadth_first_admission: bool = True  # RuntimeConfig.breadth_first_admission
     smoke: bool = False
 
     def __post_init__(self) -> None:
@@ -172,6 +180,7 @@ class ServeBenchConfig:
                 adapter_modules=args.adapter_modules,
                 moe_lora_in_gemm=args.moe_lora_in_gemm,
                 overlap_steps=args.overlap_steps,
+                breadth_first_admission=args.breadth_first_admission,
             )
         return cls(
             layers=2,
@@ -185,6 +194,7 @@ class ServeBenchConfig:
             adapter_modules=args.adapter_modules,
             moe_lora_in_gemm=args.moe_lora_in_gemm,
             overlap_steps=args.overlap_steps,
+            breadth_first_admission=args.breadth_first_admission,
             smoke=True,
         )
 
@@ -267,6 +277,7 @@ def build_engine(
         max_queue=config.max_queue,
         cuda_graphs=not config.smoke,
         overlap_steps=config.overlap_steps,
+        breadth_first_admission=config.breadth_first_admission,
     )
     source = LocalFileSource(library)
     return assemble_engine(runtime_config, model, config.hf_config, source, InferenceMetrics())

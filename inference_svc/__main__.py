@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(
         serve,
+        "--breadth-first-admission",
+        type=bool,
+        default=True,
+        help="while the adapters outnumber the GPU slots, stop a step's admissions after one "
+        "request per ready adapter while another waiting adapter's slot copy is in flight or "
+        "can start (a wider wave of requests; a step's token budget may go partly unused)",
+    )
+    add_flag(
+        serve,
         "--expert-activations",
         default="bf16",
         choices=list(EXPERT_ACTIVATIONS),
@@ -135,6 +144,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
             max_batch_tokens=args.max_batch_tokens,
             max_queue=args.max_queue,
             overlap_steps=args.overlap_steps,
+            breadth_first_admission=args.breadth_first_admission,
             expert_activations=args.expert_activations,
         ),
         store_address=args.store,

@@ -61,6 +61,10 @@ class RuntimeConfig:
     # Launch step n+1 before reading step n's tokens back (engine.py); False reads each
     # step back at once (A/B, debugging).
     overlap_steps: bool = True
+    # SchedulerConfig.breadth_first_admission: while the adapters outnumber the slots, one
+    # admission pass a step while waiting adapters' slot copies land (a wider wave of
+    # requests; a step's budget may go partly unused).
+    breadth_first_admission: bool = True
     # The routed experts' activations in their GEMMs (loader.EXPERT_ACTIVATIONS): "e4m3" is
     # DeepSeek-V3's FP8 scheme (FP8 checkpoints on CUDA only), "bf16" the exact GEMM.
     expert_activations: str = "bf16"
@@ -197,6 +201,7 @@ def assemble_engine(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=step_tokens,
             max_waiting=config.max_queue,
+            breadth_first_admission=config.breadth_first_admission,
         ),
         LoraSlotAllocator(pool.num_slots),
         residency,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import queued_cold_adapter, serve_cold_path, serve_offline, serve_online, summary
-from bench.serve_setup import ServeBenchConfig, add_engine_args
+from bench.serve_setup import ServeBenchConfig, add_engine_args, build_engine
 
 
 def test_serve_offline_smoke(tmp_path: Path) -> None:
@@ -253,3 +253,34 @@ def test_engine_flags_size_the_slot_pool(flags: list[str], slots: int) -> None:
     args = parser.parse_args(["--out", "x.json", *flags])
     config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=2)
     assert config.max_loras == slots
+
+
+def test_serve_offline_smoke_without_breadth_first_admission(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`--no-breadth-first-admission` reaches the engine's scheduler and the JSON's meta, and
+    every request still runs to its end."""
+    engines = []
+
+    def build(*args):  # type: ignore[no-untyped-def]
+        engines.append(build_engine(*args))
+        return engines[-1]
+
+    monkeypatch.setattr(serve_offline, "build_engine", build)
+    out = tmp_path / "serve_offline_no_breadth.json"
+    serve_offline.main(["--out", str(out), "--smoke", "--no-breadth-first-admission"])
+    results = json.loads(out.read_text())
+    assert results["meta"]["breadth_first_admission"] is False
+    assert engines[0].scheduler.config.breadth_first_admission is False
+    for row in results["rows"]:
+        assert row["valid"], row
+        assert row["output_tokens"] == row["requests"] * results["meta"]["output_len"]
+
+
+@pytest.mark.parametrize("flags,expected", [([], True), (["--no-breadth-first-admission"], False)])
+def test_breadth_first_admission_flag_reaches_the_engine_config(
+    flags: list[str], expected: bool
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--out", "x.json", *flags])
+    config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=2)
+    assert config.breadth_first_admission is expected

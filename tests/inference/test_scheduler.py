@@ -6,9 +6,11 @@ The engine's part (running the batch, appending tokens) is played by `complete`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -18,9 +20,14 @@ from adapter_store.format import CanonicalAdapter
 from adapter_store.model_shapes import model_lora_shapes
 from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig
 from inference_svc.adapters.owned_tensors import OwnedTensorsSource
-from inference_svc.adapters.residency import AdapterResidency
+from inference_svc.adapters.residency import AdapterResidency, HostState
 from inference_svc.engine.lora_slots import LoraSlotAllocator
-from inference_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from inference_svc.engine.scheduler import (
+    PrefetchTicket,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from inference_svc.engine.sequence import (
     AdapterBinding,
     FinishReason,
@@ -63,7 +70,13 @@ def binding(name: str, size_bytes: int = 1000) -> AdapterBinding:
 
 
 def make_scheduler(
-    num_slots=2, num_pages=64, max_num_seqs=8, budget=64, page_size=4, max_loads_in_flight=8
+    num_slots=2,
+    num_pages=64,
+    max_num_seqs=8,
+    budget=64,
+    page_size=4,
+    max_loads_in_flight=8,
+    breadth_first_admission=True,
 ):
     metrics = InferenceMetrics()
     pool_config = LoraPoolConfig(8, dtype=torch.float32, device="cpu", max_loras=num_slots)
@@ -80,6 +93,7 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_loads_in_flight=max_loads_in_flight,
+        breadth_first_admission=breadth_first_admission,
     )
     scheduler = Scheduler(config, LoraSlotAllocator(num_slots), residency, metrics)
     return scheduler, source, fetched
@@ -580,3 +594,189 @@ def test_a_step_lays_out_decodes_then_prefills_each_grouped_by_adapter() -> None
     for slot in {s.lora_slot for s in decodes}:
         same = [s for s in decodes if s.lora_slot == slot]
         assert same == [s for s in early if s.lora_slot == slot]
+
+
+# -- breadth-first admission --------------------------------------------------------------
+
+
+def step_until(scheduler: Scheduler, done) -> None:  # type: ignore[no-untyped-def]
+    """Step (downloads are threads) until `done()`."""
+    for _ in range(200):
+        complete(scheduler, scheduler.schedule())
+        if done():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the condition never held")
+
+
+def in_slot(scheduler: Scheduler, name: str) -> None:
+    """`name` loaded into a slot and idle there (its request ran and finished)."""
+    scheduler.add(seq(name))
+    drain(scheduler)
+    assert scheduler.slots.is_ready(binding(name).key)
+
+
+def queued(scheduler: Scheduler, name: str | None, count: int) -> list[Sequence]:
+    """`count` requests of `name`, long enough to outlast the test's steps."""
+    seqs = [seq(name, max_new=50) for _ in range(count)]
+    for s in seqs:
+        scheduler.add(s)
+    return seqs
+
+
+def host_cached(scheduler: Scheduler, name: str) -> bool:
+    return scheduler.residency.host_state(binding(name).key) is HostState.READY
+
+
+@contextlib.contextmanager
+def outnumbering_slots(scheduler: Scheduler, source: FakeSource, count: int):  # type: ignore[no-untyped-def]
+    """`count` more adapters, each with a request waiting on a download that does not finish
+    inside the block: they hold nothing back themselves, but make the waiting adapters
+    outnumber the slots, which the breadth-first rule needs before it holds anything."""
+    gates = [source.gate(f"slow{i}") for i in range(count)]
+    try:
+        for i in range(count):
+            queued(scheduler, f"slow{i}", 1)
+        yield
+    finally:
+        for gate in gates:
+            gate.set()
+
+
+def a_idle_and_b_copying(scheduler: Scheduler, monkeypatch) -> list[InFlight]:  # type: ignore[no-untyped-def]
+    """`a` idle in its slot and three requests of `b` waiting for b's slot copy, in flight
+    (the returned list holds it)."""
+    in_slot(scheduler, "a")
+    in_flight = copies_in_flight(scheduler, monkeypatch)
+    queued(scheduler, "b", 3)
+    step_until(scheduler, lambda: bool(in_flight))
+    return in_flight
+
+
+@pytest.mark.parametrize("breadth,admitted", [(False, 4), (True, 1)])
+def test_breadth_first_admission_holds_repeats_while_a_slot_copy_is_in_flight(
+    monkeypatch,  # type: ignore[no-untyped-def]
+    breadth: bool,
+    admitted: int,
+) -> None:
+    """`a` is in its slot, `b`'s slot copy is in flight. Breadth-first, the step admits one
+    request of `a` (the first pass) and leaves the other seats for `b`'s requests; without
+    it, `a`'s repeats fill the step."""
+    scheduler, source, _ = make_scheduler(breadth_first_admission=breadth)
+    a_idle_and_b_copying(scheduler, monkeypatch)
+    with outnumbering_slots(scheduler, source, 1):
+        a_seqs = queued(scheduler, "a", 4)
+        out = scheduler.schedule()
+    assert [s.seq for s in out.scheduled] == a_seqs[:admitted]
+
+
+def test_breadth_first_admission_holds_nothing_back_while_the_adapters_fit_in_the_slots(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """`a` and `b` (copy in flight) are all the adapters and there are two slots: both get a
+    slot whatever this step admits, so `a`'s repeats fill the step as without the rule."""
+    scheduler, _, _ = make_scheduler(breadth_first_admission=True)
+    a_idle_and_b_copying(scheduler, monkeypatch)
+    a_seqs = queued(scheduler, "a", 4)
+    out = scheduler.schedule()
+    assert [s.seq for s in out.scheduled] == a_seqs
+
+
+def test_breadth_first_admission_counts_the_running_requests_adapters(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """Three slots: `x` runs in one, `a` is idle in one, `b`'s copy takes the third, and
+    `slow0` still downloads. The waiting adapters alone (a, b, slow0) would fit; with x's
+    they do not, so a's repeats are held back for b."""
+    scheduler, source, _ = make_scheduler(num_slots=3, breadth_first_admission=True)
+    in_slot(scheduler, "a")
+    running_request(scheduler, "x")
+    in_flight = copies_in_flight(scheduler, monkeypatch)
+    queued(scheduler, "b", 3)
+    step_until(scheduler, lambda: bool(in_flight))
+    with outnumbering_slots(scheduler, source, 1):
+        a_seqs = queued(scheduler, "a", 4)
+        out = scheduler.schedule()
+    assert [s.seq for s in out.scheduled if s.query_len > 1] == a_seqs[:1]
+
+
+def test_breadth_first_admission_goes_round_robin_once_the_copy_has_landed(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    scheduler, source, _ = make_scheduler(breadth_first_admission=True)
+    in_flight = a_idle_and_b_copying(scheduler, monkeypatch)
+    with outnumbering_slots(scheduler, source, 1):
+        queued(scheduler, "a", 4)
+        complete(scheduler, scheduler.schedule())
+        assert [s.adapter.name for s in scheduler.running] == ["a"]
+        in_flight[0].land()
+        out = scheduler.schedule()
+    assert len(out.scheduled) == 7  # a's decode and six prompts
+    assert [s.adapter.name for s in scheduler.running] == ["a", "b", "a", "b", "a", "b", "a"]
+
+
+@pytest.mark.parametrize("breadth,admitted", [(False, 3), (True, 1)])
+def test_breadth_first_admission_holds_repeats_for_a_host_cached_adapter_with_a_free_slot(
+    monkeypatch,  # type: ignore[no-untyped-def]
+    breadth: bool,
+    admitted: int,
+) -> None:
+    """`c` is in the host cache and a slot is free for it; its copy waits only for the
+    in-flight cap (taken by a LoadAdapter's copy of `d`). It could start any step, so a
+    breadth-first step admits one request of `a` only."""
+    scheduler, source, _ = make_scheduler(
+        num_slots=4, max_loads_in_flight=1, breadth_first_admission=breadth
+    )
+    in_slot(scheduler, "a")
+    in_flight = copies_in_flight(scheduler, monkeypatch)
+    scheduler.prefetch(PrefetchTicket(binding("d"), pin=False, future=Future()))
+    step_until(scheduler, lambda: bool(in_flight))
+    queued(scheduler, "c", 2)
+    step_until(scheduler, lambda: host_cached(scheduler, "c"))
+    assert len(in_flight) == 1 and scheduler.slots.slot_of(binding("c").key) is None
+    with outnumbering_slots(scheduler, source, 3):
+        a_seqs = queued(scheduler, "a", 3)
+        out = scheduler.schedule()
+    assert [s.seq for s in out.scheduled] == a_seqs[:admitted]
+
+
+def test_breadth_first_admission_ignores_a_host_cached_adapter_with_no_slot_to_take() -> None:
+    """The one slot is held by `a`'s running request: `c` (host cached) cannot be copied
+    until it frees, so it does not hold `a`'s requests back."""
+    scheduler, _, _ = make_scheduler(num_slots=1, breadth_first_admission=True)
+    running_request(scheduler, "a")
+    queued(scheduler, "c", 2)
+    step_until(scheduler, lambda: host_cached(scheduler, "c"))
+    a_seqs = queued(scheduler, "a", 3)
+    out = scheduler.schedule()
+    assert [s.seq for s in out.scheduled if s.query_len > 1] == a_seqs
+
+
+def test_breadth_first_admission_ignores_an_adapter_still_being_fetched() -> None:
+    """A download can take ~0.5 s: an adapter not in the host cache yet holds nobody back."""
+    scheduler, source, _ = make_scheduler(num_slots=1, breadth_first_admission=True)
+    in_slot(scheduler, "a")
+    gate = source.gate("slow")
+    try:
+        queued(scheduler, "slow", 2)
+        complete(scheduler, scheduler.schedule())
+        assert scheduler.residency.host_state(binding("slow").key) is HostState.FETCHING
+        a_seqs = queued(scheduler, "a", 4)
+        out = scheduler.schedule()
+        assert [s.seq for s in out.scheduled] == a_seqs
+    finally:
+        gate.set()
+
+
+def test_breadth_first_admission_leaves_base_model_requests_alone() -> None:
+    """With the one slot taken by `a` and a second adapter waiting (so the rule is armed),
+    base-model requests are neither held back nor hold anything back."""
+    scheduler, source, _ = make_scheduler(num_slots=1, breadth_first_admission=True)
+    in_slot(scheduler, "a")
+    with outnumbering_slots(scheduler, source, 1):
+        queued(scheduler, None, 3)
+        queued(scheduler, "a", 3)
+        out = scheduler.schedule()
+    assert len(out.scheduled) == 6
+    names = [None if s.adapter is None else s.adapter.name for s in scheduler.running]
+    assert names == [None, "a", None, "a", None, "a"]

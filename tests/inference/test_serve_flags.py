@@ -3,6 +3,8 @@ by default and off with `--no-overlap-steps` or `LORASERVE_OVERLAP_STEPS=0`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 # The service entry point imports the health service, absent on the GPU machine.
@@ -19,6 +21,17 @@ def test_overlap_is_on_by_default_and_the_flag_turns_it_off() -> None:
     assert _runtime([]).overlap_steps is True
     assert _runtime(["--no-overlap-steps"]).overlap_steps is False
     assert _runtime(["--overlap-steps"]).overlap_steps is True
+
+
+def test_breadth_first_admission_is_on_by_default_and_reaches_the_scheduler(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    assert _runtime([]).breadth_first_admission is True
+    assert _runtime(["--no-breadth-first-admission"]).breadth_first_admission is False
+    monkeypatch.setenv("LORASERVE_BREADTH_FIRST_ADMISSION", "0")
+    config = _runtime([])
+    assert config.breadth_first_admission is False
+    assert _runtime(["--breadth-first-admission"]).breadth_first_admission is True
+    runtime = build_runtime(dataclasses.replace(config, kv_pages=16), None)
+    assert runtime.engine.scheduler.config.breadth_first_admission is False
 
 
 def test_expert_activations_flag_and_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
