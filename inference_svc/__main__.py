@@ -90,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--breadth-first-admission",
         type=bool,
         default=True,
-        help="while the adapters outnumber the GPU slots, stop a step's admissions after one "
-        "request per ready adapter while another waiting adapter's slot copy is in flight or "
-        "can start (a wider wave of requests; a step's token budget may go partly unused)",
+        help="while the adapters outnumber the GPU slots, admit one request per ready adapter "
+        "a step while another waiting adapter's slot copy is in flight or can start (a wider "
+        "wave of requests; a step's token budget may go partly unused)",
     )
     add_flag(
         serve,

@@ -316,13 +316,15 @@ class Scheduler:
             self._preempted.popleft()
         progress, first_pass = True, True
         while progress and self._room(budget):
-            if not first_pass and self._breadth_holds_back(wanted):
-                return
+            # Base-model requests need no slot: only adapters' repeats are held back.
+            holding = not first_pass and self._breadth_holds_back(wanted)
             progress, first_pass = False, False
             for key in list(self._queues):
                 if not self._room(budget):
                     return
                 queue = self._queues[key]
+                if holding and queue[0].adapter is not None:
+                    continue
                 if not self._adapter_ready(queue[0], key, wanted):
                     continue
                 if not self._start(queue[0], out, budget):
@@ -336,9 +338,10 @@ class Scheduler:
                 progress = True
 
     def _breadth_holds_back(self, wanted: set[AdapterKey]) -> bool:
-        """With `breadth_first_admission`: whether the step's admissions stop after the first
-        pass because some waiting adapter is about to be ready (its requests then start
-        beside the others' instead of behind their repeats). Read-only: starts nothing."""
+        """With `breadth_first_admission`: whether adapters' requests stop being admitted
+        after the step's first pass because some waiting adapter is about to be ready (its
+        requests then start beside the others' instead of behind their repeats).
+        Read-only: starts nothing."""
         return (
             self.config.breadth_first_admission
             and self._adapters_outnumber_slots()

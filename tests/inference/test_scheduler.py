@@ -768,6 +768,21 @@ def test_breadth_first_admission_ignores_an_adapter_still_being_fetched() -> Non
         gate.set()
 
 
+def test_breadth_first_admission_holds_back_no_base_model_request(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """While `a`'s repeats are held back for `b` (copy in flight), base-model requests,
+    which need no slot, keep being admitted pass after pass."""
+    scheduler, source, _ = make_scheduler(breadth_first_admission=True)
+    a_idle_and_b_copying(scheduler, monkeypatch)
+    with outnumbering_slots(scheduler, source, 1):
+        queued(scheduler, None, 3)
+        queued(scheduler, "a", 3)
+        out = scheduler.schedule()
+    names = [None if s.seq.adapter is None else s.seq.adapter.name for s in out.scheduled]
+    assert sorted(names, key=str) == [None, None, None, "a"]
+
+
 def test_breadth_first_admission_leaves_base_model_requests_alone() -> None:
     """With the one slot taken by `a` and a second adapter waiting (so the rule is armed),
     base-model requests are neither held back nor hold anything back."""
