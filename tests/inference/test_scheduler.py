@@ -700,6 +700,23 @@ def test_breadth_first_admission_counts_the_running_requests_adapters(
     assert [s.seq for s in out.scheduled if s.query_len > 1] == a_seqs[:1]
 
 
+def test_breadth_first_admission_does_not_count_slots_pinned_by_other_adapters(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """Three slots, one pinned by `p` (a LoadAdapter call, no request): a, b and slow0 have
+    two slots between them, so a's repeats are held back for b."""
+    scheduler, source, _ = make_scheduler(num_slots=3, breadth_first_admission=True)
+    pinned: Future = Future()
+    scheduler.prefetch(PrefetchTicket(binding("p"), pin=True, future=pinned))
+    step_until(scheduler, pinned.done)
+    assert scheduler.slots.is_pinned(binding("p").key)
+    a_idle_and_b_copying(scheduler, monkeypatch)
+    with outnumbering_slots(scheduler, source, 1):
+        a_seqs = queued(scheduler, "a", 4)
+        out = scheduler.schedule()
+    assert [s.seq for s in out.scheduled] == a_seqs[:1]
+
+
 def test_breadth_first_admission_goes_round_robin_once_the_copy_has_landed(
     monkeypatch,  # type: ignore[no-untyped-def]
 ) -> None:
