@@ -7,7 +7,11 @@ rate in `--rates` (requests/s) two runs of `--duration` s: every request on the 
 and every request on one of `--adapters` rank-`--rank` adapters (uniform), already in GPU
 slots (loaded and pinned through the LoadAdapter path first). Reported: time to first token
 (from the request's arrival) and inter-token latency (gaps between a request's consecutive
-tokens), p50/p99, and the generated tokens/s achieved.
+tokens), p50/p99, and the generated tokens/s achieved. With `--cycling-adapters N` each
+rate gets a third run: every request on one of N adapters drawn zipf(1.1), all in the host
+cache and none in a GPU slot at the start, so with more of them than the slots the pinned
+ones leave they cycle host cache → slots (slot copies, evictions and the scheduler's
+breadth-first admission under load; `--no-breadth-first-admission` for its A/B).
 
 Cold adapters: a run at `--cold-rate` with the adapter background load (0: none, the probes
 alone on an idle engine, which isolates what the adapter's load adds from queueing), into
@@ -48,6 +52,7 @@ from bench.serve_setup import (
     add_engine_args,
     build_engine,
     build_model,
+    draw_popularity,
     host_bytes_note,
     make_request,
     model_label,
@@ -208,6 +213,23 @@ def load_into_slots(loop: EngineLoop, engine: LLMEngine, adapters: list[AdapterB
         future.result(timeout=600)
 
 
+def slot_loads(loop: EngineLoop, engine: LLMEngine) -> int:
+    """Slot copies started since the engine began (read on the engine's thread)."""
+    return loop.call(lambda: engine.scheduler.slots.metrics().loads).result()
+
+
+def rate_arrivals(
+    mode: str, times: list[float], warm: list[AdapterBinding], cycling: list[AdapterBinding]
+) -> list[Arrival]:
+    """One run's arrivals at `times`: "base" on the base model, "lora" on the pinned `warm`
+    adapters (uniform), "cycling" on the `cycling` ones (zipf(1.1), none in a slot yet)."""
+    if mode == "cycling":
+        picks = draw_popularity(len(cycling), "zipf", len(times), seed=5)
+        return [Arrival(t, mode, cycling[pick]) for t, pick in zip(times, picks, strict=True)]
+    rng = random.Random(5)
+    return [Arrival(t, mode, rng.choice(warm) if mode == "lora" else None) for t in times]
+
+
 def cold_arrivals(
     rate: float,
     probes_per_kind: int,
@@ -257,8 +279,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     runs = results["runs"]
     fig, (ax_ttft, ax_itl, ax_cold) = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, metric in ((ax_ttft, "ttft"), (ax_itl, "itl")):
-        for mode, color in (("base", "C7"), ("lora", "C0")):
+        for mode, color in (("base", "C7"), ("lora", "C0"), ("cycling", "C1")):
             rows = [r for r in runs if r["mode"] == mode]
+            if not rows:
+                continue
             rates = [r["rate"] for r in rows]
             ax.plot(rates, [r[metric]["p50_ms"] for r in rows], "o-", color=color,
                     label=f"{mode} p50")  # fmt: skip
@@ -301,7 +325,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--rates", type=float, nargs="*", default=[4.0, 16.0], help="none: cold probes only"
     )
-    parser.add_argument("--duration", type=float, default=20.0, help="s of arrivals per run")
+    parser.add_argument(
+        "--duration", type=float, help="s of arrivals per run (default 20; 1 with --smoke)"
+    )
     parser.add_argument(
         "--cold-rate",
         type=float,
@@ -317,10 +343,19 @@ def main(argv: list[str] | None = None) -> None:
         help="cold runs in a row, each with new cold adapters; `cold` is the last one's",
     )
     parser.add_argument("--drain-timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--cycling-adapters",
+        type=int,
+        default=0,
+        help="a third run per rate over this many zipf(1.1) adapters, none in a slot at the "
+        "start (0: no such run)",
+    )
     args = parser.parse_args(argv)
+    if args.duration is None:
+        args.duration = 1.0 if args.smoke else 20.0
     if args.smoke:
         args.rates = [min(rate, 2.0) for rate in args.rates[:1]]
-        args.duration, args.cold_rate = 1.0, min(args.cold_rate, 1.0)
+        args.cold_rate = min(args.cold_rate, 1.0)
         args.probes, args.probe_interval, args.adapters = 1, 0.5, 2
 
     config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=6)
@@ -335,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
         num_warm = max(1, min(args.adapters, slots - 2))
         warm_names = adapter_names("warm", num_warm)
         host_names = adapter_names("hostcold", args.probes * args.cold_passes)
-        library.preload(engine, warm_names + host_names)
+        cycling_names = adapter_names("cycling", args.cycling_adapters)
+        library.preload(engine, warm_names + host_names + cycling_names)
         warm = [library.binding(n) for n in warm_names]
         results: dict[str, Any] = {
             "meta": {
@@ -351,6 +387,8 @@ def main(argv: list[str] | None = None) -> None:
                 "dtype": config.dtype,
                 "rank": config.rank,
                 "adapters": num_warm,
+                "cycling_adapters": args.cycling_adapters,
+                "breadth_first_admission": config.breadth_first_admission,
                 "gpu_slots": slots,
                 "adapter_bytes": library.adapter_bytes,
                 "adapters_note": host_bytes_note(library),
@@ -366,27 +404,29 @@ def main(argv: list[str] | None = None) -> None:
         loop = EngineLoop(engine, idle_wait_s=0.002).start()
         try:
             load_into_slots(loop, engine, warm)
+            cycling = [library.binding(n) for n in cycling_names]
+            modes = ("base", "lora", "cycling") if cycling else ("base", "lora")
             for rate in args.rates:
-                for mode in ("base", "lora"):
-                    rng = random.Random(5)
+                for mode in modes:
                     times = poisson_times(rate, args.duration, seed=int(rate * 1000))
-                    arrivals = [
-                        Arrival(t, mode, rng.choice(warm) if mode == "lora" else None)
-                        for t in times
-                    ]
+                    arrivals = rate_arrivals(mode, times, warm, cycling)
                     tag = f"{mode}{rate:g}"
                     began = time.monotonic()
+                    loads_before = slot_loads(loop, engine)
                     traces, seconds = drive(loop, engine, config, arrivals, tag, args.drain_timeout)
                     run = {"rate": rate, "mode": mode, **summarize(traces, seconds)}
+                    run["slot_loads"] = slot_loads(loop, engine) - loads_before
+                    run["distinct_adapters"] = len({a.adapter.key for a in arrivals if a.adapter})
                     run["timeline"] = timeline.summary(began)
                     results["runs"].append(run)
                     save(args.out, results)
                     print(
-                        f"{rate:6g} req/s {mode:4s}: TTFT p50 {run['ttft']['p50_ms']:8.1f} "
+                        f"{rate:6g} req/s {mode:7s}: TTFT p50 {run['ttft']['p50_ms']:8.1f} "
                         f"p99 {run['ttft']['p99_ms']:8.1f} ms  ITL p50 "
                         f"{run['itl']['p50_ms']:7.2f} p99 {run['itl']['p99_ms']:7.2f} ms  "
                         f"{run['output_tokens_per_s']:7.0f} tok/s  "
-                        f"({run['completed']}/{run['requests']} done)"
+                        f"({run['completed']}/{run['requests']} done, "
+                        f"{run['distinct_adapters']} adapters, {run['slot_loads']} slot loads)"
                     )
             file_names = adapter_names("filecold", args.probes * args.cold_passes)
             results["cold_passes"] = []

@@ -184,6 +184,25 @@ def test_serve_online_smoke(tmp_path: Path) -> None:
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_serve_online_cycling_adapters_run(tmp_path: Path) -> None:
+    """`--cycling-adapters`: a third run a rate over adapters in no slot at its start; more
+    of them than the slots the pinned ones leave, so each distinct one is copied in."""
+    out = tmp_path / "serve_online_cycling.json"
+    argv = ["--out", str(out), "--smoke", "--cycling-adapters", "40", "--duration", "8"]
+    serve_online.main([*argv, "--no-breadth-first-admission"])
+    results = json.loads(out.read_text())
+    assert results["meta"]["cycling_adapters"] == 40
+    assert results["meta"]["breadth_first_admission"] is False
+    runs = {run["mode"]: run for run in results["runs"]}
+    assert set(runs) == {"base", "lora", "cycling"}
+    cycling = runs["cycling"]
+    assert cycling["completed"] == cycling["requests"] > 0 and cycling["failed"] == 0
+    assert cycling["distinct_adapters"] > results["meta"]["gpu_slots"] - results["meta"]["adapters"]
+    assert cycling["slot_loads"] >= cycling["distinct_adapters"]
+    assert runs["lora"]["slot_loads"] == 0  # pinned before the runs
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
 def test_serve_online_cold_probes_on_an_idle_engine(tmp_path: Path) -> None:
     out = tmp_path / "serve_online_idle.json"
     serve_online.main(["--out", str(out), "--smoke", "--rates", "--cold-rate", "0"])
