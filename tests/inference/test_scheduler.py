@@ -643,10 +643,16 @@ def outnumbering_slots(scheduler: Scheduler, source: FakeSource, count: int):  #
             gate.set()
 
 
-def a_idle_and_b_copying(scheduler: Scheduler, monkeypatch) -> list[InFlight]:  # type: ignore[no-untyped-def]
+def a_idle_and_b_copying(
+    scheduler: Scheduler,
+    monkeypatch,  # type: ignore[no-untyped-def]
+    running: str | None = None,
+) -> list[InFlight]:
     """`a` idle in its slot and three requests of `b` waiting for b's slot copy, in flight
-    (the returned list holds it)."""
+    (the returned list holds it); `running`: an adapter with a request running meanwhile."""
     in_slot(scheduler, "a")
+    if running is not None:
+        running_request(scheduler, running)
     in_flight = copies_in_flight(scheduler, monkeypatch)
     queued(scheduler, "b", 3)
     step_until(scheduler, lambda: bool(in_flight))
@@ -689,11 +695,7 @@ def test_breadth_first_admission_counts_the_running_requests_adapters(
     `slow0` still downloads. The waiting adapters alone (a, b, slow0) would fit; with x's
     they do not, so a's repeats are held back for b."""
     scheduler, source, _ = make_scheduler(num_slots=3, breadth_first_admission=True)
-    in_slot(scheduler, "a")
-    running_request(scheduler, "x")
-    in_flight = copies_in_flight(scheduler, monkeypatch)
-    queued(scheduler, "b", 3)
-    step_until(scheduler, lambda: bool(in_flight))
+    a_idle_and_b_copying(scheduler, monkeypatch, running="x")
     with outnumbering_slots(scheduler, source, 1):
         a_seqs = queued(scheduler, "a", 4)
         out = scheduler.schedule()
