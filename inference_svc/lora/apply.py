@@ -82,11 +82,24 @@ class PendingLinearLora:
     every_slot: bool = False
 
 
-# Largest step whose linear shrinks run on the side stream. A longer step's base matmul
-# fills the GPU by itself, so the fork and join only add host work (two stream switches
-# and two event waits per module, ~190 modules per step: H100 host profile of a
+# Largest captured step whose linear shrinks run on the side stream. A longer step's base
+# matmul fills the GPU by itself, so the fork and join only add host work (two stream
+# switches and two event waits per module, ~190 modules per step: H100 host profile of a
 # 8192-token prefill step with 32 adapters, bench.serve_offline --profile-kind host).
 SIDE_STREAM_MAX_TOKENS = 1024
+
+
+def shrinks_beside_product(segs: LoraSegments, num_tokens: int) -> bool:
+    """Whether a step's linear shrinks fork to the LoRA side stream: only while a CUDA graph
+    (a decode step) is captured, where the fork and join cost no host time at replay. An
+    eager step is bound by its launches, so there they only added host time: H200, one
+    512-token prompt beside 32 decodes, 27 layers, 8 rank-16 adapters, prompt steps
+    alternating one by one, medians of 20 a side in three rounds: 100.8 / 121.0 / 132.0 ms
+    forked against 76.7 / 98.2 / 108.2 not, on 19.7 ms of GPU work (docs/benchmarks.md,
+    forty-third session)."""
+    return num_tokens <= SIDE_STREAM_MAX_TOKENS and segs.capturing()
+
+
 # The side stream's shrink in 2 programs an SM (SGMV "planned_p2") instead of 8. Its grid runs
 # beside the base matmul: with 8 an SM it outlasted the product and the expand waited on it
 # (H200 B=64 × 32 trace, qkv_a: shrink 8.7 µs against cuBLAS's 6.7); alone, 8 an SM is faster
@@ -101,10 +114,10 @@ def start_linear_lora(
 ) -> PendingLinearLora:
     """Semantics: y[t, i·R + r] = A[slot(t), i·R + r] · x[t] (the shrink of every slice).
 
-    On CUDA, in steps of at most SIDE_STREAM_MAX_TOKENS tokens, the shrink (and the zeroing
-    of y) runs on the LoRA side stream, beside the base matmul the caller issues next: in a
-    small decode step both are latency-bound and use a fraction of the SMs, so the shrink's
-    launches are hidden instead of added to the chain.
+    In a captured decode step (`shrinks_beside_product`) the shrink (and the zeroing of y)
+    runs on the LoRA side stream, beside the base matmul the caller issues next: both are
+    latency-bound and use a fraction of the SMs, so the shrink's launches are hidden
+    instead of added to the chain.
     `finish_linear_lora` joins the streams before it adds the expand.
     Args: x [T, in]; num_slices: stacked slices S of the module.
     """
@@ -117,10 +130,10 @@ def start_linear_lora(
     # Only the expand reads y, and only its live entries: the shrink zeroes it only where
     # it adds split-K partial sums (a long eager step skips one memset per module).
     y = torch.empty(x.shape[0], weights.a.shape[1], dtype=torch.float32, device=x.device)
-    side = lora_side_stream(x.device) if x.shape[0] <= SIDE_STREAM_MAX_TOKENS else None
+    side = lora_side_stream(x.device) if shrinks_beside_product(segments, x.shape[0]) else None
     if side is None:
         # No stream context at all: entering one (even for the current stream) costs host
-        # time in every module of a long step.
+        # time in every module of an eager step.
         sgmv_shrink(x, weights.a, segments, num_slices, out=y, zero_unused=False)
         return PendingLinearLora(y, None, segments)
     side.wait_stream(torch.cuda.current_stream(x.device))

@@ -156,13 +156,17 @@ def test_shrink_inside_the_product_equals_the_side_stream_shrink(
         assert diff.item() <= tol, f"slot {inside.slot}: inside vs beside {diff.item():.2e}"
 
 
-@pytest.mark.parametrize("graphs", [(), (1, 2, 4, 8)], ids=["eager", "graphs"])
-@pytest.mark.parametrize("side", ["lora", "shared_experts"])
+@pytest.mark.parametrize(
+    "graphs,side",
+    [((1, 2, 4, 8), "lora"), ((), "shared_experts"), ((1, 2, 4, 8), "shared_experts")],
+    ids=["graphs-lora", "eager-shared_experts", "graphs-shared_experts"],
+)
 def test_side_streams_equal_the_same_kernels_in_order(tiny_model_dirs, monkeypatch, graphs, side):
     """Work forked onto a side stream (the default) computes exactly what the same kernels
-    give on the step's own stream, eager and in graph replays: the linear modules' shrinks
-    ("lora") and the shared experts' MLP beside the routed experts ("shared_experts"). A
-    missing join would read a half-written y or shared-expert output and show up here."""
+    give on the step's own stream: the linear modules' shrinks in graph replays ("lora"; an
+    eager step never forks them) and the shared experts' MLP beside the routed experts
+    ("shared_experts"), eager and in replays. A missing join would read a half-written y or
+    shared-expert output and show up here."""
     from inference_svc.layers import moe
     from inference_svc.layers.streams import shared_experts_stream
     from inference_svc.lora import apply
@@ -199,6 +203,25 @@ def test_side_streams_equal_the_same_kernels_in_order(tiny_model_dirs, monkeypat
     assert forked == [True, side == "lora"], forked
     for overlapped, serial_seq in zip(*runs, strict=True):
         assert torch.equal(torch.stack(overlapped.logprobs), torch.stack(serial_seq.logprobs))
+
+
+def test_linear_shrinks_fork_to_the_side_stream_only_while_a_graph_is_captured(
+    tiny_model_dirs, monkeypatch
+):
+    """A replay pays the side stream's fork and join at capture only; an eager step would
+    pay their host time every step, in every LoRA linear (`shrinks_beside_product`)."""
+    from inference_svc.lora import apply
+
+    calls = _count_calls(monkeypatch, (apply, "lora_side_stream"))
+    runner, _ = _adapted_runner(
+        folder=tiny_model_dirs[SPEC], dtype=torch.bfloat16, cuda_graph_sizes=(1, 2, 4, 8)
+    )
+    assert calls.get("lora_side_stream", 0) > 0, "the decode graphs' captures did not fork"
+    calls.clear()
+    tokens = random_tokens([9, 12, 7, 10, 11], seed=26)
+    scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, [1, 3, -1, 1, 3], strict=True)])
+    scenario.run([4, 5, 3, 6, 2])  # eager prompt and mixed steps, then decode replays
+    assert not calls, f"eager steps forked their shrinks: {calls}"
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
