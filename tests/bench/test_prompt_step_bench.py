@@ -1,0 +1,26 @@
+"""`bench.prompt_step` on the CPU: its prompt steps hold one prompt beside the decodes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import prompt_step
+
+
+def test_prompt_step_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "prompt_step.json"
+    prompt_step.main(["--out", str(out), "--smoke"])
+    results = json.loads(out.read_text())
+    meta, rows = results["meta"], results["rows"]
+    assert [row["arm"] for row in rows] == ["lora", "base"]
+    for row in rows:
+        # One new prompt a step beside every running decode, and a decode-only step after.
+        assert row["prompt_step_tokens"] == [meta["prompt_len"] + meta["decodes"]]
+        assert len(row["decode_step_ms"]) == 1 and row["prompt_step_ms_median"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_union_ms_counts_overlapping_spans_once() -> None:
+    spans = [(0.0, 1000.0), (500.0, 1500.0), (3000.0, 3500.0), (3100.0, 3200.0)]
+    assert prompt_step.union_ms(spans) == 2.0
