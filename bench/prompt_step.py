@@ -11,7 +11,10 @@ adapters ("lora"), and on the base model ("base"), in turn, `--rounds` rounds in
 alternating order (the host's timing drifts between rounds: compare arms within a round).
 One more prompt step an arm runs under `torch.profiler` (CUDA activity): the GPU busy
 time (the union of its kernels' and copies' spans) and their count. wall ÷ busy well above
-1 means the step is bound by its launches, not by its GPU work.
+1 means the step is bound by its launches, not by its GPU work. `--shrink-variants A B`:
+the LoRA arm's prompt steps take the linear shrinks' plans on the step's stream
+(`inference_svc.lora.apply.STEP_STREAM_SHRINK_VARIANT`) in turn, step by step (an A/B that
+the host's drift between runs does not blur); each plan's median is reported.
 
     python3 -m bench.prompt_step --out bench/results/prompt_step.json
     python -m bench.prompt_step --out /tmp/prompt_step.json --smoke   # CPU setup check
@@ -44,6 +47,8 @@ from bench.serve_setup import (
 )
 from inference_svc.engine.engine import LLMEngine
 from inference_svc.engine.sequence import AdapterBinding
+from inference_svc.lora import apply as lora_apply
+from kernels.sgmv import SHRINK_VARIANTS
 
 ARMS = ("lora", "base")
 
@@ -69,28 +74,41 @@ class PromptSteps:
         return request_id
 
     def run(
-        self, binding: Callable[[int], AdapterBinding | None], prompts: int, profile: bool
+        self,
+        binding: Callable[[int], AdapterBinding | None],
+        prompts: int,
+        profile: bool,
+        shrink_variants: list[str],
     ) -> dict[str, Any]:
-        """`prompts` timed prompt steps (ms, synced), a decode step after each (ms), and
-        with `profile` the profiled GPU work of one more prompt step."""
+        """`prompts` timed prompt steps (ms, synced), prompt step p with the shrink plan
+        shrink_variants[p % len] (the profiled one with the first), a decode step after
+        each (ms), and with `profile` the profiled GPU work of one more prompt step."""
         engine = self.engine
         ids = [self._add(i, binding(i)) for i in range(self.decodes)]
         while engine.scheduler.num_waiting:
             engine.step()
         engine.step()  # every decode running: the next steps are one prompt + the decodes
-        prompt_ms, decode_ms, tokens = [], [], []
-        for p in range(prompts):
-            ids.append(self._add(1000 + p, binding(p)))
-            prompt_ms.append(self._timed_step(tokens))
-            decode_ms.append(self._timed_step([]))
-        result: dict[str, Any] = {
-            "prompt_step_tokens": tokens,
-            "prompt_step_ms": prompt_ms,
-            "decode_step_ms": decode_ms,
-        }
-        if profile and self.cuda:
-            ids.append(self._add(2000, binding(prompts)))
-            result.update(self._profiled_step())
+        prompt_ms, decode_ms, tokens, variants = [], [], [], []
+        saved = lora_apply.STEP_STREAM_SHRINK_VARIANT
+        try:
+            for p in range(prompts):
+                variants.append(shrink_variants[p % len(shrink_variants)])
+                lora_apply.STEP_STREAM_SHRINK_VARIANT = variants[-1]
+                ids.append(self._add(1000 + p, binding(p)))
+                prompt_ms.append(self._timed_step(tokens))
+                decode_ms.append(self._timed_step([]))
+            result: dict[str, Any] = {
+                "prompt_step_tokens": tokens,
+                "prompt_step_ms": prompt_ms,
+                "shrink_variant": variants,
+                "decode_step_ms": decode_ms,
+            }
+            if profile and self.cuda:
+                lora_apply.STEP_STREAM_SHRINK_VARIANT = shrink_variants[0]
+                ids.append(self._add(2000, binding(prompts)))
+                result.update(self._profiled_step())
+        finally:
+            lora_apply.STEP_STREAM_SHRINK_VARIANT = saved
         for request_id in ids:
             engine.abort(request_id)
         while engine.has_work():
@@ -132,11 +150,17 @@ def union_ms(spans: list[tuple[float, float]]) -> float:
 
 def summary(arm: str, round_index: int, result: dict[str, Any]) -> dict[str, Any]:
     prompt = result["prompt_step_ms"]
+    by_variant: dict[str, list[float]] = {}
+    for variant, ms in zip(result["shrink_variant"], prompt, strict=True):
+        by_variant.setdefault(variant, []).append(ms)
     row = {
         "arm": arm,
         "round": round_index,
         "prompt_step_ms_median": statistics.median(prompt),
         "prompt_step_ms_min": min(prompt),
+        "prompt_step_ms_median_by_shrink_variant": {
+            variant: statistics.median(times) for variant, times in by_variant.items()
+        },
         "decode_step_ms_median": statistics.median(result["decode_step_ms"]),
         **result,
     }
@@ -154,6 +178,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompt steps an arm a round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--adapters", type=int, default=8, help="resident adapters (lora arm)")
+    parser.add_argument(
+        "--shrink-variants",
+        nargs="+",
+        choices=sorted(SHRINK_VARIANTS),
+        default=[lora_apply.STEP_STREAM_SHRINK_VARIANT],
+        help="the LoRA arm's shrink plans on the step's stream, in turn step by step",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.decodes, args.prompts, args.rounds, args.adapters = 2, 1, 1, 2
@@ -182,11 +213,15 @@ def main(argv: list[str] | None = None) -> None:
         for round_index in range(args.rounds):
             order = ARMS if round_index % 2 == 0 else ARMS[::-1]
             for arm in order:
-                result = steps.run(bindings[arm], args.prompts, profile=round_index == 0)
+                # The base arm runs no LoRA shrink: one plan is enough.
+                variants = args.shrink_variants if arm == "lora" else [args.shrink_variants[0]]
+                result = steps.run(bindings[arm], args.prompts, round_index == 0, variants)
                 rows.append(summary(arm, round_index, result))
+                medians = rows[-1]["prompt_step_ms_median_by_shrink_variant"]
                 print(
                     f"round {round_index} {arm}: prompt step median "
-                    f"{rows[-1]['prompt_step_ms_median']:.1f} ms (min "
+                    + ", ".join(f"{v} {ms:.1f}" for v, ms in medians.items())
+                    + f" ms (min "
                     f"{rows[-1]['prompt_step_ms_min']:.1f}), decode step "
                     f"{rows[-1]['decode_step_ms_median']:.1f} ms"
                     + (
@@ -202,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         "prompt_step", device, started, model=model_label(config), layers=config.layers,
         rank=config.rank, adapters=args.adapters, adapter_modules=adapters_label(config),
         prompt_len=config.prompt_len, decodes=args.decodes, prompts=args.prompts,
+        shrink_variants=args.shrink_variants,
     )  # fmt: skip
     write_json(args.out, meta, rows)
     labels = [f"{row['arm']} r{row['round']}" for row in rows]
