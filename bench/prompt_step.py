@@ -44,6 +44,7 @@ from bench.serve_setup import (
     build_model,
     make_request,
     model_label,
+    synchronize,
 )
 from inference_svc.engine.engine import LLMEngine
 from inference_svc.engine.sequence import AdapterBinding
@@ -60,12 +61,7 @@ class PromptSteps:
     def __init__(self, engine: LLMEngine, config: ServeBenchConfig, decodes: int) -> None:
         self.engine, self.config, self.decodes = engine, config, decodes
         self.vocab = engine.runner.model.config.vocab_size
-        self.cuda = config.device.startswith("cuda")
         self._serial = 0
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
 
     def _add(self, seed: int, adapter: AdapterBinding | None) -> str:
         self._serial += 1
@@ -103,7 +99,7 @@ class PromptSteps:
                 "shrink_variant": variants,
                 "decode_step_ms": decode_ms,
             }
-            if profile and self.cuda:
+            if profile and not self.config.smoke:  # the profiler's CUDA activity
                 lora_apply.STEP_STREAM_SHRINK_VARIANT = shrink_variants[0]
                 ids.append(self._add(2000, binding(prompts)))
                 result.update(self._profiled_step())
@@ -116,19 +112,19 @@ class PromptSteps:
         return result
 
     def _timed_step(self, tokens: list[int]) -> float:
-        self.sync()
+        synchronize(self.config)
         began = time.perf_counter()
         scheduled = self.engine.step()
-        self.sync()
+        synchronize(self.config)
         tokens.append(scheduled)
         return (time.perf_counter() - began) * 1e3
 
     def _profiled_step(self) -> dict[str, Any]:
         activity = torch.profiler.ProfilerActivity.CUDA
-        self.sync()
+        synchronize(self.config)
         with torch.profiler.profile(activities=[activity]) as profiler:
             self.engine.step()
-            self.sync()
+            synchronize(self.config)
         spans = sorted(
             (e.time_range.start, e.time_range.end)
             for e in profiler.events()

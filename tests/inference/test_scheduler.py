@@ -643,6 +643,16 @@ def outnumbering_slots(scheduler: Scheduler, source: FakeSource, count: int):  #
             gate.set()
 
 
+def a_requests_step(
+    scheduler: Scheduler, source: FakeSource, count: int = 4, slow: int = 1
+) -> tuple[list[Sequence], SchedulerOutput]:
+    """`count` requests of `a` queued while `slow` adapters still downloading make the
+    waiting adapters outnumber the slots (`outnumbering_slots`), and the step that follows."""
+    with outnumbering_slots(scheduler, source, slow):
+        a_seqs = queued(scheduler, "a", count)
+        return a_seqs, scheduler.schedule()
+
+
 def a_idle_and_b_copying(
     scheduler: Scheduler,
     monkeypatch,  # type: ignore[no-untyped-def]
@@ -670,9 +680,7 @@ def test_breadth_first_admission_holds_repeats_while_a_slot_copy_is_in_flight(
     it, `a`'s repeats fill the step."""
     scheduler, source, _ = make_scheduler(breadth_first_admission=breadth)
     a_idle_and_b_copying(scheduler, monkeypatch)
-    with outnumbering_slots(scheduler, source, 1):
-        a_seqs = queued(scheduler, "a", 4)
-        out = scheduler.schedule()
+    a_seqs, out = a_requests_step(scheduler, source)
     assert [s.seq for s in out.scheduled] == a_seqs[:admitted]
 
 
@@ -696,9 +704,7 @@ def test_breadth_first_admission_counts_the_running_requests_adapters(
     they do not, so a's repeats are held back for b."""
     scheduler, source, _ = make_scheduler(num_slots=3, breadth_first_admission=True)
     a_idle_and_b_copying(scheduler, monkeypatch, running="x")
-    with outnumbering_slots(scheduler, source, 1):
-        a_seqs = queued(scheduler, "a", 4)
-        out = scheduler.schedule()
+    a_seqs, out = a_requests_step(scheduler, source)
     assert [s.seq for s in out.scheduled if s.query_len > 1] == a_seqs[:1]
 
 
@@ -713,9 +719,7 @@ def test_breadth_first_admission_does_not_count_slots_pinned_by_other_adapters(
     step_until(scheduler, pinned.done)
     assert scheduler.slots.is_pinned(binding("p").key)
     a_idle_and_b_copying(scheduler, monkeypatch)
-    with outnumbering_slots(scheduler, source, 1):
-        a_seqs = queued(scheduler, "a", 4)
-        out = scheduler.schedule()
+    a_seqs, out = a_requests_step(scheduler, source)
     assert [s.seq for s in out.scheduled] == a_seqs[:1]
 
 
@@ -753,9 +757,7 @@ def test_breadth_first_admission_holds_repeats_for_a_host_cached_adapter_with_a_
     queued(scheduler, "c", 2)
     step_until(scheduler, lambda: host_cached(scheduler, "c"))
     assert len(in_flight) == 1 and scheduler.slots.slot_of(binding("c").key) is None
-    with outnumbering_slots(scheduler, source, 3):
-        a_seqs = queued(scheduler, "a", 3)
-        out = scheduler.schedule()
+    a_seqs, out = a_requests_step(scheduler, source, count=3, slow=3)
     assert [s.seq for s in out.scheduled] == a_seqs[:admitted]
 
 
