@@ -9,12 +9,14 @@ device sync before and after it (so it is the step's whole wall time: its launch
 GPU work, whichever ends later). Arms: every request on one of `--adapters` resident
 adapters ("lora"), and on the base model ("base"), in turn, `--rounds` rounds in
 alternating order (the host's timing drifts between rounds: compare arms within a round).
-One more prompt step an arm runs under `torch.profiler` (CUDA activity): the GPU busy
-time (the union of its kernels' and copies' spans) and their count. wall ÷ busy well above
-1 means the step is bound by its launches, not by its GPU work. `--shrink-variants A B`:
-the LoRA arm's prompt steps take the linear shrinks' plans on the step's stream
-(`inference_svc.lora.apply.STEP_STREAM_SHRINK_VARIANT`) in turn, step by step (an A/B that
-the host's drift between runs does not blur); each plan's median is reported.
+Within an arm the prompt steps take the `--paths` in turn, step by step (an A/B that the
+host's drift does not blur): "graphs" replays the piecewise step graphs
+(`inference_svc.engine.step_graphs`, captured up to `--step-graph-max-tokens`), "eager"
+launches every kernel (`ModelRunner.use_step_graphs` off); each path's median is
+reported. One more prompt step an arm and path runs under `torch.profiler` (CUDA
+activity): the GPU busy time (the union of its kernels' and copies' spans) and their
+count. wall ÷ busy well above 1 means the step is bound by its launches, not by its GPU
+work.
 
     python3 -m bench.prompt_step --out bench/results/prompt_step.json
     python -m bench.prompt_step --out /tmp/prompt_step.json --smoke   # CPU setup check
@@ -48,10 +50,9 @@ from bench.serve_setup import (
 )
 from inference_svc.engine.engine import LLMEngine
 from inference_svc.engine.sequence import AdapterBinding
-from inference_svc.lora import apply as lora_apply
-from kernels.sgmv import SHRINK_VARIANTS
 
 ARMS = ("lora", "base")
+PATHS = ("graphs", "eager")
 
 
 class PromptSteps:
@@ -70,41 +71,35 @@ class PromptSteps:
         return request_id
 
     def run(
-        self,
-        binding: Callable[[int], AdapterBinding | None],
-        prompts: int,
-        profile: bool,
-        shrink_variants: list[str],
+        self, binding: Callable[[int], AdapterBinding | None], prompts: int, paths: list[str]
     ) -> dict[str, Any]:
-        """`prompts` timed prompt steps (ms, synced), prompt step p with the shrink plan
-        shrink_variants[p % len] (the profiled one with the first), a decode step after
-        each (ms), and with `profile` the profiled GPU work of one more prompt step."""
-        engine = self.engine
+        """`prompts` timed prompt steps (ms, synced), prompt step p on the path
+        paths[p % len], a decode step after each (ms), then (on the GPU) the profiled GPU
+        work of one more prompt step a path."""
+        engine, runner = self.engine, self.engine.runner
         ids = [self._add(i, binding(i)) for i in range(self.decodes)]
         while engine.scheduler.num_waiting:
             engine.step()
         engine.step()  # every decode running: the next steps are one prompt + the decodes
-        prompt_ms, decode_ms, tokens, variants = [], [], [], []
-        saved = lora_apply.STEP_STREAM_SHRINK_VARIANT
+        prompt_ms, decode_ms, tokens, taken = [], [], [], []
+        result: dict[str, Any] = {"profiled": {}}
         try:
             for p in range(prompts):
-                variants.append(shrink_variants[p % len(shrink_variants)])
-                lora_apply.STEP_STREAM_SHRINK_VARIANT = variants[-1]
+                taken.append(paths[p % len(paths)])
+                runner.use_step_graphs = taken[-1] == "graphs"
                 ids.append(self._add(1000 + p, binding(p)))
                 prompt_ms.append(self._timed_step(tokens))
                 decode_ms.append(self._timed_step([]))
-            result: dict[str, Any] = {
-                "prompt_step_tokens": tokens,
-                "prompt_step_ms": prompt_ms,
-                "shrink_variant": variants,
-                "decode_step_ms": decode_ms,
-            }
-            if profile and not self.config.smoke:  # the profiler's CUDA activity
-                lora_apply.STEP_STREAM_SHRINK_VARIANT = shrink_variants[0]
-                ids.append(self._add(2000, binding(prompts)))
-                result.update(self._profiled_step())
+            for p, path in enumerate(paths if not self.config.smoke else []):
+                runner.use_step_graphs = path == "graphs"
+                ids.append(self._add(2000 + p, binding(prompts + p)))
+                result["profiled"][path] = self._profiled_step()
         finally:
-            lora_apply.STEP_STREAM_SHRINK_VARIANT = saved
+            runner.use_step_graphs = True
+        result.update(
+            prompt_step_tokens=tokens, prompt_step_ms=prompt_ms, path=taken,
+            decode_step_ms=decode_ms,
+        )  # fmt: skip
         for request_id in ids:
             engine.abort(request_id)
         while engine.has_work():
@@ -145,24 +140,26 @@ def union_ms(spans: list[tuple[float, float]]) -> float:
 
 
 def summary(arm: str, round_index: int, result: dict[str, Any]) -> dict[str, Any]:
-    prompt = result["prompt_step_ms"]
-    by_variant: dict[str, list[float]] = {}
-    for variant, ms in zip(result["shrink_variant"], prompt, strict=True):
-        by_variant.setdefault(variant, []).append(ms)
-    row = {
+    """One arm's round: its prompt steps' median by path, and each profiled path's wall
+    (that path's median) over its GPU busy time."""
+    by_path: dict[str, list[float]] = {}
+    for path, ms in zip(result["path"], result["prompt_step_ms"], strict=True):
+        by_path.setdefault(path, []).append(ms)
+    medians = {path: statistics.median(times) for path, times in by_path.items()}
+    wall_over_busy = {
+        path: medians[path] / profiled["gpu_busy_ms"]
+        for path, profiled in result["profiled"].items()
+        if path in medians
+    }
+    return {
         "arm": arm,
         "round": round_index,
-        "prompt_step_ms_median": statistics.median(prompt),
-        "prompt_step_ms_min": min(prompt),
-        "prompt_step_ms_median_by_shrink_variant": {
-            variant: statistics.median(times) for variant, times in by_variant.items()
-        },
+        "prompt_step_ms_median_by_path": medians,
+        "prompt_step_ms_min": min(result["prompt_step_ms"]),
         "decode_step_ms_median": statistics.median(result["decode_step_ms"]),
+        "wall_over_busy_by_path": wall_over_busy,
         **result,
     }
-    if "gpu_busy_ms" in result:
-        row["wall_over_busy"] = row["prompt_step_ms_median"] / result["gpu_busy_ms"]
-    return row
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,23 +172,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--adapters", type=int, default=8, help="resident adapters (lora arm)")
     parser.add_argument(
-        "--shrink-variants",
-        nargs="+",
-        choices=sorted(SHRINK_VARIANTS),
-        default=[lora_apply.STEP_STREAM_SHRINK_VARIANT],
-        help="the LoRA arm's shrink plans on the step's stream, in turn step by step",
-    )
+        "--paths", nargs="+", choices=PATHS, default=list(PATHS),
+        help="how prompt steps run, in turn step by step",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.smoke:
         args.decodes, args.prompts, args.rounds, args.adapters = 2, 1, 1, 2
     started = time.perf_counter()
     config = ServeBenchConfig.from_args(args, smoke_max_batch_tokens=64, smoke_max_loras=6)
-    # The decodes make their third token in the first prompt step and two more an arm's
-    # prompt: they must still be running at its last one.
-    if config.output_len < 2 * args.prompts + 1:
+    # The decodes make their third token in the first prompt step and two more a prompt
+    # step (and each profiled one, on the GPU): they must still be running at the last.
+    needed = 2 * (args.prompts + (0 if args.smoke else len(args.paths))) + 1
+    if config.output_len < needed:
         parser.error(
-            f"--output-len {config.output_len} ends the decodes before prompt step "
-            f"{args.prompts}: it must be at least {2 * args.prompts + 1}"
+            f"--output-len {config.output_len} ends the decodes before the last prompt step: "
+            f"it must be at least {needed}"
         )
     with tempfile.TemporaryDirectory() as tmp:
         library = AdapterLibrary((args.adapter_dir or Path(tmp)) / f"rank{config.rank}", config)
@@ -209,43 +204,43 @@ def main(argv: list[str] | None = None) -> None:
         for round_index in range(args.rounds):
             order = ARMS if round_index % 2 == 0 else ARMS[::-1]
             for arm in order:
-                # The base arm runs no LoRA shrink: one plan is enough.
-                variants = args.shrink_variants if arm == "lora" else [args.shrink_variants[0]]
-                result = steps.run(bindings[arm], args.prompts, round_index == 0, variants)
+                result = steps.run(bindings[arm], args.prompts, args.paths)
                 rows.append(summary(arm, round_index, result))
-                medians = rows[-1]["prompt_step_ms_median_by_shrink_variant"]
-                print(
-                    f"round {round_index} {arm}: prompt step median "
-                    + ", ".join(f"{v} {ms:.1f}" for v, ms in medians.items())
-                    + f" ms (min "
-                    f"{rows[-1]['prompt_step_ms_min']:.1f}), decode step "
-                    f"{rows[-1]['decode_step_ms_median']:.1f} ms"
-                    + (
-                        f", GPU busy {result['gpu_busy_ms']:.1f} ms in "
-                        f"{result['gpu_events']} kernels and copies"
-                        if "gpu_busy_ms" in result
-                        else ""
-                    ),
-                    flush=True,
-                )
+                print(f"round {round_index} {arm}: {_line(rows[-1])}", flush=True)
     device = torch.device(config.device)
     meta = run_meta(
         "prompt_step", device, started, model=model_label(config), layers=config.layers,
         rank=config.rank, adapters=args.adapters, adapter_modules=adapters_label(config),
         prompt_len=config.prompt_len, decodes=args.decodes, prompts=args.prompts,
-        shrink_variants=args.shrink_variants,
+        paths=args.paths, step_graph_max_tokens=config.step_graph_max_tokens,
     )  # fmt: skip
     write_json(args.out, meta, rows)
     labels = [f"{row['arm']} r{row['round']}" for row in rows]
-    series = {"prompt step (wall)": [row["prompt_step_ms_median"] for row in rows]}
-    if all("gpu_busy_ms" in row for row in rows[: len(ARMS)]):
-        busy = {row["arm"]: row["gpu_busy_ms"] for row in rows[: len(ARMS)]}
-        series["GPU busy (profiled step)"] = [busy[row["arm"]] for row in rows]
+    series = {
+        f"{path} (wall)": [row["prompt_step_ms_median_by_path"][path] for row in rows]
+        for path in args.paths
+    }
+    for path in args.paths:
+        if all(path in row["profiled"] for row in rows):
+            series[f"{path} (GPU busy)"] = [row["profiled"][path]["gpu_busy_ms"] for row in rows]
     bar_plot(
         args.out.with_suffix(".png"),
         f"{config.prompt_len}-token prompt beside {args.decodes} decodes, {meta['device']}",
         labels, series, "ms",
     )  # fmt: skip
+
+
+def _line(row: dict[str, Any]) -> str:
+    """A round's medians by path, its decode step and each profiled path's GPU work."""
+    medians = ", ".join(f"{p} {ms:.1f}" for p, ms in row["prompt_step_ms_median_by_path"].items())
+    busy = "".join(
+        f", {p} GPU busy {prof['gpu_busy_ms']:.1f} ms in {prof['gpu_events']} kernels and copies"
+        for p, prof in row["profiled"].items()
+    )
+    return (
+        f"prompt step median {medians} ms (min {row['prompt_step_ms_min']:.1f}), "
+        f"decode step {row['decode_step_ms_median']:.1f} ms{busy}"
+    )
 
 
 if __name__ == "__main__":

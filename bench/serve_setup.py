@@ -51,7 +51,7 @@ from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.config import parse_config
 from inference_svc.model.tokenizer import ByteTokenizer
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
-from inference_svc.runtime import RuntimeConfig, assemble_engine
+from inference_svc.runtime import DEFAULT_STEP_GRAPH_MAX_TOKENS, RuntimeConfig, assemble_engine
 
 BASE_MODEL = "random-v2-lite-q1536"
 TENANT = "bench"
@@ -125,6 +125,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="admit repeat requests of ready adapters while others' slot copies land "
         "(SchedulerConfig.breadth_first_admission off; A/B of the first wave's breadth)",
     )
+    parser.add_argument(
+        "--step-graph-max-tokens", type=int, default=DEFAULT_STEP_GRAPH_MAX_TOKENS,
+        help="largest step with prompt tokens replayed as piecewise step graphs (0: eager)",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, short runs")
 
 
@@ -146,6 +150,7 @@ class ServeBenchConfig:
     moe_lora_in_gemm: str = "auto"  # inference_svc.lora.apply.MOE_LORA_IN_GEMM
     overlap_steps: bool = True  # RuntimeConfig.overlap_steps
     breadth_first_admission: bool = True  # RuntimeConfig.breadth_first_admission
+    step_graph_max_tokens: int = DEFAULT_STEP_GRAPH_MAX_TOKENS  # RuntimeConfig's
     smoke: bool = False
 
     def __post_init__(self) -> None:
@@ -181,6 +186,7 @@ class ServeBenchConfig:
                 moe_lora_in_gemm=args.moe_lora_in_gemm,
                 overlap_steps=args.overlap_steps,
                 breadth_first_admission=args.breadth_first_admission,
+                step_graph_max_tokens=args.step_graph_max_tokens,
             )
         return cls(
             layers=2,
@@ -278,6 +284,7 @@ def build_engine(
         cuda_graphs=not config.smoke,
         overlap_steps=config.overlap_steps,
         breadth_first_admission=config.breadth_first_admission,
+        step_graph_max_tokens=config.step_graph_max_tokens,
     )
     source = LocalFileSource(library)
     return assemble_engine(runtime_config, model, config.hf_config, source, InferenceMetrics())

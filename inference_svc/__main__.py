@@ -18,7 +18,7 @@ from inference_svc.adapters.s3_fetch import S3FetchConfig
 from inference_svc.app import AppConfig, InferenceApp
 from inference_svc.model.loader import EXPERT_ACTIVATIONS
 from inference_svc.model.tiny import TINY_MODEL_NAME, model_folder
-from inference_svc.runtime import RuntimeConfig
+from inference_svc.runtime import DEFAULT_STEP_GRAPH_MAX_TOKENS, RuntimeConfig
 from inference_svc.servicer import SERVICE_NAME
 from protos import inference_pb2_grpc
 
@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--max-num-seqs", type=int, default=32, help="requests running at once")
     add_flag(serve, "--max-batch-tokens", type=int, default=512, help="token budget per step")
     add_flag(serve, "--max-queue", type=int, default=256, help="waiting requests before refusing")
+    add_flag(
+        serve,
+        "--step-graph-max-tokens",
+        type=int,
+        default=DEFAULT_STEP_GRAPH_MAX_TOKENS,
+        help="largest step with prompt tokens replayed as CUDA step graphs (0: eager)",
+    )
     add_flag(
         serve,
         "--overlap-steps",
@@ -143,6 +150,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
             max_num_seqs=args.max_num_seqs,
             max_batch_tokens=args.max_batch_tokens,
             max_queue=args.max_queue,
+            step_graph_max_tokens=args.step_graph_max_tokens,
             overlap_steps=args.overlap_steps,
             breadth_first_admission=args.breadth_first_admission,
             expert_activations=args.expert_activations,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,9 @@ from inference_svc.models.deepseek_v3 import DeepseekV3Model
 log = logging.getLogger("loraserve.runtime")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# RuntimeConfig.step_graph_max_tokens' default: an online step of a few prompts beside the
+# running decodes; longer steps keep the GPU busy eagerly.
+DEFAULT_STEP_GRAPH_MAX_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,11 @@ class RuntimeConfig:
     max_num_seqs: int = 32
     max_batch_tokens: int = 512
     max_queue: int = 256
-    cuda_graphs: bool = True  # capture decode graphs on CUDA
+    cuda_graphs: bool = True  # capture decode graphs on CUDA (and the step graphs)
+    # Largest step with prompt tokens (or more decodes than the decode graphs hold) that
+    # replays piecewise step graphs (engine/step_graphs.py) rather than launching every
+    # kernel; 0: such steps run eagerly.
+    step_graph_max_tokens: int = DEFAULT_STEP_GRAPH_MAX_TOKENS
     # Launch step n+1 before reading step n's tokens back (engine.py); False reads each
     # step back at once (A/B, debugging).
     overlap_steps: bool = True
@@ -81,7 +89,7 @@ class RuntimeConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_expert_activations(self.expert_activations)
-        for name in ("kv_pages", "max_model_len"):
+        for name in ("kv_pages", "max_model_len", "step_graph_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
         check_lora_budget(self.lora_memory_gb, self.lora_memory_fraction)
@@ -135,6 +143,19 @@ def build_runtime(
     return Runtime(config, engine, loaded.tokenizer, hf_config, metrics)
 
 
+def step_graph_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Token counts of the step graphs up to `max_tokens` (0: none): powers of two to 128,
+    then every 128 to 1024, then every 256. A step runs padded to the next size, so the
+    spacing bounds the padding's work (a 544-token step: 640, +18 %) against the capture
+    time and graphs a size adds."""
+    sizes = [s for s in (16, 32, 64) if s < max_tokens]
+    size = 128
+    while size < max_tokens:
+        sizes.append(size)
+        size += 128 if size < 1024 else 256
+    return (*sizes, max_tokens) if max_tokens else ()
+
+
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """Decode graphs worth capturing: powers of two up to the first that holds
     `max_num_seqs` (larger ones never replay, and each costs capture time and memory)."""
@@ -167,6 +188,7 @@ def assemble_engine(
             lora_memory_fraction=config.lora_memory_fraction,
         ),
     )
+    step_tokens = max(config.max_batch_tokens, config.max_num_seqs)  # a step's token budget
     runner = ModelRunner(
         model,
         RunnerConfig(
@@ -174,12 +196,21 @@ def assemble_engine(
             page_size=config.page_size,
             max_pages_per_seq=pages_for(max_model_len, config.page_size),
             cuda_graph_batch_sizes=graph_batch_sizes(config.max_num_seqs),
+            step_graph_token_sizes=step_graph_sizes(min(config.step_graph_max_tokens, step_tokens)),
         ),
         lora_pool=pool,
     )
     if config.device == "cuda" and config.cuda_graphs:
+        began = time.perf_counter()
         runner.capture_decode_graphs()
-    step_tokens = max(config.max_batch_tokens, config.max_num_seqs)  # a step's token budget
+        decode_s = time.perf_counter() - began
+        runner.capture_step_graphs()
+        log.info(
+            "CUDA graphs captured: decode steps of %s rows in %.1f s, step graphs of %s tokens "
+            "in %.1f s",
+            runner.config.cuda_graph_batch_sizes, decode_s,
+            runner.config.step_graph_token_sizes, time.perf_counter() - began - decode_s,
+        )  # fmt: skip
     if config.device == "cuda" and config.warm_up:
         warm_up_prefill(runner, step_tokens, max_model_len, config.max_num_seqs)
     # Packing at insert makes a slot load a few large copies instead of one per tensor.

@@ -614,9 +614,6 @@ class SgmvVariant:
     # Expand only: consecutive segments an item covers, keeping a slot's B block across
     # them (`_sgmv_expand_kernel`'s SEGS_PER_ITEM; pool ranks of one rank tile, others 1).
     segments_per_item: int = 1
-    # Planned shrink only: False never splits K, so y takes no zeros first (one memset
-    # launch fewer a module, for steps bound by their launches; `shrink_target_items`).
-    split_k: bool = True
 
     def __post_init__(self) -> None:
         if self.programs_per_sm < 1:
@@ -628,8 +625,6 @@ class SgmvVariant:
             )
         if self.block is not None and (self.block < 16 or self.block & (self.block - 1)):
             raise ValueError(f"block must be a power of two >= 16, got {self.block}")
-        if not self.split_k and not self.planned:
-            raise ValueError("split_k False is a planned shrink's (v1 plans its split on the host)")
 
 
 SHRINK_VARIANTS = {
@@ -639,10 +634,6 @@ SHRINK_VARIANTS = {
     # Fewer, longer K splits: a quarter / an eighth of planned's float32 atomics per token.
     "planned_p2": SgmvVariant(planned=True, programs_per_sm=2, block=128),
     "planned_p1": SgmvVariant(planned=True, programs_per_sm=1, block=128),
-    # One program a live (segment, rank tile) item over the whole of K: no atomics, no
-    # memset of y (an eager step's shrink, whose launches bound the step: A/B with
-    # bench.prompt_step --shrink-variants).
-    "planned_no_split": SgmvVariant(planned=True, block=128, split_k=False),
 }
 EXPAND_VARIANTS = {
     "v1": SgmvVariant(planned=False),
@@ -679,13 +670,6 @@ LONG_STEP_EXPAND = "runs_n256_p8_g4"
 def expand_variant(num_tokens: int) -> str:
     """The expand variant a launch of `num_tokens` tokens takes when none is named."""
     return LONG_STEP_EXPAND if num_tokens >= LONG_STEP_TOKENS else DEFAULT_VARIANT
-
-
-def shrink_target_items(plan: SgmvVariant, device: torch.device) -> int:
-    """Items a planned shrink aims its K split at (`planned_split`): programs_per_sm a
-    multiprocessor, or 1 for a plan that never splits (every live item is then one whole-K
-    program and the split is 1)."""
-    return plan.programs_per_sm * num_sms(device) if plan.split_k else 1
 
 
 def num_sms(device: torch.device) -> int:
@@ -768,7 +752,7 @@ def sgmv_shrink(
         )  # fmt: skip
         return out
     block_k = plan.block if k_dim >= (plan.block or 0) else next_power_of_2(max(k_dim, 16))
-    target_items = shrink_target_items(plan, x.device)
+    target_items = plan.programs_per_sm * num_sms(x.device)
     k_blocks = cdiv(k_dim, block_k)
     max_items = grid_segments * rank_programs * k_blocks
     programs = min(max_items, max(target_items, grid_segments * rank_programs))

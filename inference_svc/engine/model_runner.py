@@ -11,6 +11,10 @@ LoRA everywhere but the routed experts, for steps none of whose adapters targets
 owns fixed-size segment buffers that each replay rewrites in place; its kernels were
 captured with grids sized from the buffers' capacity, so a replay may hold any mix of
 adapters.
+
+Steps with prompt tokens (and decode-only steps past the largest decode graph) of up to
+the largest `step_graph_token_sizes` replay piecewise graphs instead, each layer's
+attention eager between two pieces (`step_graphs`).
 """
 
 from __future__ import annotations
@@ -21,17 +25,13 @@ import torch
 
 from inference_svc.engine.batch import BatchMetadata
 from inference_svc.engine.kv_pages import KVCache, KVCacheConfig
+from inference_svc.engine.step_graphs import StepGraphs
 from inference_svc.lora.attach import attach_lora_pool
-from inference_svc.lora.batch import LoraBatch, LoraScope
+from inference_svc.lora.batch import LoraScope, capture_lora_batch
 from inference_svc.lora.pool import LoraPool
 from inference_svc.models.deepseek_v3 import DeepseekV3Model
 from kernels.decode_inputs import DecodeInputs, pad_decode_inputs, set_decode_inputs
-from kernels.lora_segments import (
-    NO_SLOT,
-    LoraSegmentsConfig,
-    allocate_lora_segments,
-    build_lora_segments,
-)
+from kernels.lora_segments import build_lora_segments
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,15 @@ class RunnerConfig:
     page_size: int = 16
     max_pages_per_seq: int = 256  # page-table width of captured graphs
     cuda_graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+    # Token counts of the piecewise step graphs (steps with prompt tokens, `step_graphs`);
+    # empty: such steps run eagerly.
+    step_graph_token_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_pages <= 0 or self.page_size <= 0 or self.max_pages_per_seq <= 0:
             raise ValueError("num_pages, page_size and max_pages_per_seq must be > 0")
-        if any(b <= 0 for b in self.cuda_graph_batch_sizes):
-            raise ValueError("cuda_graph_batch_sizes must be positive")
+        if any(b <= 0 for b in (*self.cuda_graph_batch_sizes, *self.step_graph_token_sizes)):
+            raise ValueError("cuda_graph_batch_sizes and step_graph_token_sizes must be positive")
 
 
 @dataclass
@@ -77,6 +80,10 @@ class ModelRunner:
         if lora_pool is not None:
             attach_lora_pool(model, lora_pool)
         self._graphs: dict[tuple[int, LoraScope], _DecodeGraph] = {}  # by (size, scope)
+        self.step_graphs: StepGraphs | None = None
+        # Steps with prompt tokens replay the step graphs while this holds (benchmarks
+        # alternate it step by step against the eager path).
+        self.use_step_graphs = True
 
     @property
     def lora_slot_rank(self) -> torch.Tensor | None:
@@ -94,7 +101,12 @@ class ModelRunner:
         graph = self._graph_for(batch)
         if graph is not None:
             return self._replay(graph, input_ids, batch)
-        hidden = self.model(input_ids, batch, self.kv_cache)
+        pieces = self.step_graphs
+        step_graph = pieces.graph_for(batch) if pieces and self.use_step_graphs else None
+        if step_graph is not None:
+            hidden = pieces.run(step_graph, input_ids, batch)
+        else:
+            hidden = self.model(input_ids, batch, self.kv_cache)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     def _graph_for(self, batch: BatchMetadata) -> _DecodeGraph | None:
@@ -108,19 +120,6 @@ class ModelRunner:
             scope = LoraScope.ALL  # a pool without routed experts: one LoRA graph per size
         fitting = [s for s, k in self._graphs if k is scope and s >= batch.num_seqs]
         return self._graphs[min(fitting), scope] if fitting else None
-
-    def _static_lora_batch(self, size: int, lora_pool: LoraPool, scope: LoraScope) -> LoraBatch:
-        """Segment buffers of a captured LoRA decode step of `scope` (ALL or NOT_ROUTED),
-        describing `size` base tokens."""
-        config = LoraSegmentsConfig(max_tokens=size, num_slots=lora_pool.num_slots)
-        segs = allocate_lora_segments(config, self.device)
-        no_slots = (NO_SLOT,) * size
-        build_lora_segments(no_slots, lora_pool.slot_rank, out=segs)
-        # Warm up with the grid the capture uses (the capacity; the padding segments are
-        # empty), so that Triton compiles every variant before capturing, not during it.
-        segs.num_live_segments = segs.max_segments
-        routed = scope is LoraScope.ALL
-        return LoraBatch(segs, segs, no_slots, no_slots, routed_experts=routed)
 
     def _static_decode_batch(
         self, size: int, scope: LoraScope
@@ -144,7 +143,7 @@ class ModelRunner:
             lora=(
                 None
                 if self.lora_pool is None or scope is LoraScope.NONE
-                else self._static_lora_batch(size, self.lora_pool, scope)
+                else capture_lora_batch(size, self.lora_pool.slot_rank, scope, device)
             ),
         )
         inputs = _decode_inputs(torch.empty(size, dtype=torch.int64, device=device), batch)
@@ -175,9 +174,22 @@ class ModelRunner:
                 pool = graph.pool()
                 self._graphs[size, scope] = _DecodeGraph(size, graph, inputs, batch, logits)
 
+    @torch.inference_mode()
+    def capture_step_graphs(self) -> None:
+        """Capture the piecewise graphs of steps with prompt tokens, for each configured
+        token count (CUDA only; `step_graphs`)."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need the model on a CUDA device")
+        sizes = self.config.step_graph_token_sizes
+        if sizes:
+            self.step_graphs = StepGraphs(self.model, self.kv_cache, sizes, self.lora_pool)
+            self.step_graphs.capture()
+
     def release_decode_graphs(self) -> None:
-        """Drop the captured graphs (and their memory pool) so they can be captured anew."""
+        """Drop the captured graphs, the step graphs too (and their memory pools), so they
+        can be captured anew."""
         self._graphs.clear()
+        self.step_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

@@ -16,6 +16,8 @@ absorbed decode attention (`inference_svc.lora.apply`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -42,6 +44,31 @@ from kernels.mla_prefill import mla_prefill_varlen, mla_prefill_varlen_ref
 # with their neighbours). H100, 27-layer V2-Lite B=1 step (bench.model_decode, patch
 # "absorb_gemv" turns it off): 2.831 → 2.704 ms.
 ABSORB_GEMV = True
+
+
+@dataclass(frozen=True)
+class AttentionQueries:
+    """A layer's queries between `MLAAttention.project` and `attend`.
+
+    q_nope [T, H, n] and q_rope [T, H, R] (rotated); out [T, H, v], which `attend` writes;
+    q_lat_lora [T, H, C]: kv_b's absorbed query correction already set by q_b's expand (a
+    step of decode tokens only), else None.
+    """
+
+    q_nope: torch.Tensor
+    q_rope: torch.Tensor
+    out: torch.Tensor
+    q_lat_lora: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class QueryBuffers:
+    """Fixed buffers a step graph's pieces leave every layer's queries in (rows past a
+    piece's tokens unused): q [T_max, H·(n+R)], q_rope [T_max, H, R], out [T_max, H, v]."""
+
+    q: torch.Tensor
+    q_rope: torch.Tensor
+    out: torch.Tensor
 
 
 class MLAAttention(nn.Module):
@@ -85,13 +112,13 @@ class MLAAttention(nn.Module):
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def takes_input_norm(self, x: torch.Tensor, batch: BatchMetadata) -> bool:
-        """Whether `forward` can take the decoder's residual add and input norm for x
+        """Whether `project` can take the decoder's residual add and input norm for x
         [T, hidden]: every linear that reads the input takes them (Linear.takes_residual)."""
         lora = batch.lora.tokens if batch.lora is not None else None
         readers = (self.qkv_a,) if self.q_lora_rank is not None else (self.qkv_a, self.q)
         return all(linear.takes_residual(x, lora) for linear in readers)
 
-    def forward(
+    def project(
         self,
         x: torch.Tensor,
         batch: BatchMetadata,
@@ -99,11 +126,15 @@ class MLAAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_pool: torch.Tensor,
         input_norm: tuple[RMSNorm, ResidualAdd] | None = None,
-    ) -> torch.Tensor:
-        """x [T, hidden] → [T, hidden]; writes this step's latent rows into `kv_pool`.
-        `input_norm` (where `takes_input_norm`): x is the residual stream, the attention's
-        input is norm(h) for h = x + Σ addends, made by the linears that read it, which
-        store h into the ResidualAdd's h."""
+        buffers: QueryBuffers | None = None,
+    ) -> AttentionQueries:
+        """The token-wise half before attention: the query projections and the step's latent
+        rows written into `kv_pool` (then `attend`, then `output`). `input_norm` (where
+        `takes_input_norm`): x is the residual stream, the attention's input is norm(h) for
+        h = x + Σ addends, made by the linears that read it, which store h into the
+        ResidualAdd's h. With `buffers` (a step graph's piece) the queries are
+        copied into them and `out` is theirs: the attention between two captured pieces
+        then reads and writes the same memory at every layer."""
         tokens = x.shape[0]
         lora = batch.lora.tokens if batch.lora is not None else None
         norm, residual = input_norm if input_norm is not None else (None, None)
@@ -115,6 +146,8 @@ class MLAAttention(nn.Module):
         else:
             q_a, kv_a = qkv_a.split([self.q_lora_rank, qkv_a.shape[-1] - self.q_lora_rank], -1)
             q, q_lat_lora = self._q_b(q_a, lora, batch)
+        if buffers is not None:
+            q = buffers.q[:tokens].copy_(q)
         q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, n], [T, H, R]
         cos, sin = cos_sin
@@ -125,16 +158,33 @@ class MLAAttention(nn.Module):
             kv_a, self.kv_a_norm.weight, self.kv_a_norm.eps, cos, sin, rope.interleave,
             kv_pool.view(-1, kv_pool.shape[-1]), batch.slot_mapping, q_rope,
         )  # [T, H, R]  # fmt: skip
+        if buffers is None:
+            out = x.new_empty((tokens, self.num_heads, self.v_dim))  # [T, H, v]
+        else:
+            q_rope = buffers.q_rope[:tokens].copy_(q_rope)
+            out = buffers.out[:tokens]
+        return AttentionQueries(q_nope, q_rope, out, q_lat_lora)
 
-        out = x.new_empty((tokens, self.num_heads, self.v_dim))  # [T, H, v]
+    def attend(
+        self, queries: AttentionQueries, batch: BatchMetadata, kv_pool: torch.Tensor
+    ) -> None:
+        """Attention of the step's tokens (rows [0, batch.num_tokens) of `queries`: a step
+        graph's are padded) into `queries.out`: the absorbed paged path for the decode rows,
+        the expanded causal path for the prefill rows."""
+        q_nope, q_rope, out = queries.q_nope, queries.q_rope, queries.out
         decodes = batch.num_decode_tokens
         if decodes:
             self._decode(
-                q_nope[:decodes], q_rope[:decodes], batch, kv_pool, out[:decodes], q_lat_lora
-            )
-        if decodes < tokens:
+                q_nope[:decodes], q_rope[:decodes], batch, kv_pool, out[:decodes],
+                queries.q_lat_lora,
+            )  # fmt: skip
+        if decodes < batch.num_tokens:
             self._prefill(q_nope, q_rope, batch, kv_pool, out)
-        return self.o(out.view(tokens, self.num_heads * self.v_dim), lora)
+
+    def output(self, out: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+        """The o projection (with its LoRA) of the attention's out [T, H, v] → [T, hidden]."""
+        lora = batch.lora.tokens if batch.lora is not None else None
+        return self.o(out.view(out.shape[0], self.num_heads * self.v_dim), lora)
 
     def _q_b(
         self, q_a: torch.Tensor, lora: LoraSegments | None, batch: BatchMetadata

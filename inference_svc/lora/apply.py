@@ -41,13 +41,7 @@ from kernels.moe_lora import (
     moe_lora_gate_up,
     moe_lora_gate_up_ref,
 )
-from kernels.sgmv import (
-    DEFAULT_VARIANT,
-    sgmv_expand,
-    sgmv_expand_ref,
-    sgmv_shrink,
-    sgmv_shrink_ref,
-)
+from kernels.sgmv import sgmv_expand, sgmv_expand_ref, sgmv_shrink, sgmv_shrink_ref
 
 
 @dataclass(frozen=True)
@@ -113,11 +107,6 @@ def shrinks_beside_product(segs: LoraSegments, num_tokens: int) -> bool:
 # lora_decode_overhead, 2 pairs in one call against "planned"): B=64 × 32 3373.0 / 3373.7 →
 # 3317.2 / 3315.2 µs, B=256 × 32 4690.3 / 4683.0 → 4693.2 / 4700.3.
 SIDE_SHRINK_VARIANT = "planned_p2"
-# The shrink's plan on the step's own stream (eager steps, and captured ones too long to
-# fork). Its split K zeroes y first: one memset launch a module, host time in an eager
-# step bound by its launches; "planned_no_split" drops it for a whole-K program an item
-# (A/B: bench.prompt_step --shrink-variants; long steps' GPU time would move too).
-STEP_STREAM_SHRINK_VARIANT = DEFAULT_VARIANT
 
 
 def start_linear_lora(
@@ -145,10 +134,7 @@ def start_linear_lora(
     if side is None:
         # No stream context at all: entering one (even for the current stream) costs host
         # time in every module of an eager step.
-        sgmv_shrink(
-            x, weights.a, segments, num_slices, out=y, zero_unused=False,
-            variant=STEP_STREAM_SHRINK_VARIANT,
-        )  # fmt: skip
+        sgmv_shrink(x, weights.a, segments, num_slices, out=y, zero_unused=False)
         return PendingLinearLora(y, None, segments)
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):

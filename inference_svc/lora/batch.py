@@ -21,7 +21,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kernels.lora_segments import NO_SLOT, LoraSegments, build_lora_segments
+from kernels.lora_segments import (
+    NO_SLOT,
+    LoraSegments,
+    LoraSegmentsConfig,
+    allocate_lora_segments,
+    build_lora_segments,
+)
 
 
 @dataclass(frozen=True)
@@ -128,3 +134,20 @@ def _context_segments(
         return None
     rows = np.repeat(np.array(slots, dtype=np.int32), context_lens)  # [Σ ctx]
     return build_lora_segments(rows, slot_rank, device=device)
+
+
+def capture_lora_batch(
+    size: int, slot_rank: Tensor, scope: LoraScope, device: torch.device | str
+) -> LoraBatch:
+    """The LoRA batch a CUDA graph of `size` tokens is captured with (scope ALL or
+    NOT_ROUTED): fixed-size segment buffers, all tokens on no adapter, which each replay
+    rewrites in place (`build_lora_segments(..., out=batch.tokens)`)."""
+    segs = allocate_lora_segments(
+        LoraSegmentsConfig(max_tokens=size, num_slots=slot_rank.shape[0]), device
+    )
+    no_slots = (NO_SLOT,) * size
+    build_lora_segments(no_slots, slot_rank, out=segs)
+    # Warm up with the grid the capture uses (the capacity; the padding segments are
+    # empty), so that Triton compiles every variant before capturing, not during it.
+    segs.num_live_segments = segs.max_segments
+    return LoraBatch(segs, segs, no_slots, no_slots, routed_experts=scope is LoraScope.ALL)

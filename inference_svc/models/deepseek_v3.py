@@ -6,12 +6,14 @@ Module names follow the canonical LoRA modules: `layers.L.attn.{qkv_a,q,q_b,kv_b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from inference_svc.engine.batch import BatchMetadata
 from inference_svc.engine.kv_pages import KVCache
-from inference_svc.layers.mla import MLAAttention
+from inference_svc.layers.mla import AttentionQueries, MLAAttention, QueryBuffers
 from inference_svc.layers.moe import DenseMLP, MoE
 from inference_svc.layers.norm import RMSNorm
 from inference_svc.layers.quant import QuantMethod
@@ -50,6 +52,27 @@ ROUTE_BEFORE_FORK_MIN_TOKENS = 2
 ROUTE_FIRST_WITH_ROUTER_GEMV = True
 
 
+@dataclass(frozen=True)
+class PieceBuffers:
+    """Fixed buffers that every piece of a step graph leaves its state in: the residual
+    stream h [T_max, hidden] and the queries (`QueryBuffers`)."""
+
+    h: torch.Tensor
+    queries: QueryBuffers
+
+
+@dataclass(frozen=True)
+class PieceState:
+    """What one piece of a step hands the next across a layer's attention: the residual
+    stream h [T, hidden] (all of its addends added), RoPE's tables of the step's positions,
+    and the layer's queries, which `attn.attend` completes (None after the last layer,
+    where h is the final hidden states)."""
+
+    h: torch.Tensor
+    cos_sin: tuple[torch.Tensor, torch.Tensor]
+    queries: AttentionQueries | None
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -78,21 +101,36 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, quant, dtype, device)
 
-    def forward(
-        self, h: torch.Tensor, pending: Addends, batch, rope, cos_sin, kv_pool
-    ) -> tuple[torch.Tensor, Addends]:
-        """h [T, hidden] the residual stream, `pending` the previous layer's outputs not yet
-        added to it → (h, this layer's FFN outputs). Each residual add rides in the next
-        norm's launch (`RMSNorm.add_then_norm`), the FFN's in the next layer's, and so does
-        the routed experts' weighted combine."""
+    def before_attention(
+        self,
+        h: torch.Tensor,
+        pending: Addends,
+        batch: BatchMetadata,
+        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_pool: torch.Tensor,
+        buffers: QueryBuffers | None = None,
+    ) -> tuple[torch.Tensor, AttentionQueries]:
+        """The residual add, the input norm and the attention's projections: (h with
+        `pending` added, the queries `attn.attend` takes). A layer is this, `attn.attend`,
+        then `after_attention`; each residual add rides in the next norm's launch
+        (`RMSNorm.add_then_norm`), the FFN's in the next layer's, and so does the routed
+        experts' weighted combine."""
         if pending and self.attn.takes_input_norm(h, batch):
             # The add and the norm ride in the attention's first kernel, which stores h.
             residual = ResidualAdd(pending, torch.empty_like(h))
-            attn = self.attn(h, batch, rope, cos_sin, kv_pool, (self.input_norm, residual))
-            h = residual.h
-        else:
-            h, x = self.input_norm.add_then_norm(h, pending)
-            attn = self.attn(x, batch, rope, cos_sin, kv_pool)
+            norm = (self.input_norm, residual)
+            queries = self.attn.project(h, batch, rope, cos_sin, kv_pool, norm, buffers)
+            return residual.h, queries
+        h, x = self.input_norm.add_then_norm(h, pending)
+        return h, self.attn.project(x, batch, rope, cos_sin, kv_pool, buffers=buffers)
+
+    def after_attention(
+        self, h: torch.Tensor, attn_out: torch.Tensor, batch: BatchMetadata
+    ) -> tuple[torch.Tensor, Addends]:
+        """The o projection of the attention's out [T, H, v], its residual add, the
+        post-attention norm and the FFN: (h, the FFN's outputs not yet added to it)."""
+        attn = self.attn.output(attn_out, batch)
         lora = batch.lora.tokens if batch.lora is not None else None
         if self.moe is None:
             h, x = self.post_attn_norm.add_then_norm(h, (attn,))
@@ -164,13 +202,68 @@ class DeepseekV3Model(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, batch: BatchMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
-        """input_ids [T] → final hidden states [T, hidden]; writes the step's KV rows."""
-        h = self.embed(input_ids)
-        pending: Addends = ()
-        cos_sin = self.rope.cos_sin(batch.positions)
+        """input_ids [T] → final hidden states [T, hidden]; writes the step's KV rows.
+
+        The step as its pieces (`first_piece`, `next_piece`) with each layer's attention
+        between them: a step graph captures the pieces and runs the attentions eagerly.
+        """
+        state = self.first_piece(input_ids, batch, kv_cache)
         for i, layer in enumerate(self.layers):
-            h, pending = layer(h, pending, batch, self.rope, cos_sin, kv_cache.layer(i))
-        return self.norm.add_then_norm(h, pending)[1]
+            layer.attn.attend(state.queries, batch, kv_cache.layer(i))
+            state = self.next_piece(i, state, batch, kv_cache)
+        return state.h
+
+    def first_piece(
+        self,
+        input_ids: torch.Tensor,
+        batch: BatchMetadata,
+        kv_cache: KVCache,
+        buffers: PieceBuffers | None = None,
+    ) -> PieceState:
+        """The embedding, RoPE's tables and layer 0 up to its attention."""
+        h = self.embed(input_ids)
+        cos_sin = self.rope.cos_sin(batch.positions)
+        return self._up_to_attention(0, h, (), cos_sin, batch, kv_cache, buffers)
+
+    def next_piece(
+        self,
+        done: int,
+        state: PieceState,
+        batch: BatchMetadata,
+        kv_cache: KVCache,
+        buffers: PieceBuffers | None = None,
+    ) -> PieceState:
+        """Layer `done` from its attention's out on, then the next layer up to its attention;
+        after the last layer the final norm (the state's h is then the hidden states and
+        its queries are None)."""
+        h, pending = self.layers[done].after_attention(state.h, state.queries.out, batch)
+        if done + 1 < len(self.layers):
+            return self._up_to_attention(
+                done + 1, h, pending, state.cos_sin, batch, kv_cache, buffers
+            )
+        hidden = self.norm.add_then_norm(h, pending)[1]
+        if buffers is not None:
+            hidden = buffers.h[: hidden.shape[0]].copy_(hidden)
+        return PieceState(hidden, state.cos_sin, None)
+
+    def _up_to_attention(
+        self,
+        index: int,
+        h: torch.Tensor,
+        pending: Addends,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: BatchMetadata,
+        kv_cache: KVCache,
+        buffers: PieceBuffers | None,
+    ) -> PieceState:
+        layer = self.layers[index]
+        queries_buffers = buffers.queries if buffers is not None else None
+        h, queries = layer.before_attention(
+            h, pending, batch, self.rope, cos_sin, kv_cache.layer(index), queries_buffers
+        )
+        if buffers is not None:
+            h = buffers.h[: h.shape[0]].copy_(h)
+        return PieceState(h, cos_sin, queries)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,6 @@ from kernels.sgmv import (
     sgmv_shrink,
     sgmv_shrink_ref,
     shrink_rank_tile,
-    shrink_target_items,
 )
 from tests.kernels.lora_cases import (
     POPULARITIES,
@@ -247,14 +246,12 @@ def test_shrink_without_zeroing_leaves_only_unread_entries_unset(
     plan = SHRINK_VARIANTS[variant]
     rank_programs = 1 if shrink_rank_tile(2, 16)[1] else 2  # qkv_a's slices in one tile
     if plan.planned:
-        target = shrink_target_items(plan, x.device)  # programs_per_sm × 1 SM, or 1
+        target = plan.programs_per_sm  # × 1 SM
         split = planned_split(segs.num_live_segments * rank_programs, target, cdiv(300, plan.block))
     else:
         split = plan_split_k(300, segs.num_live_segments * rank_programs)[2]
     if variant == "planned":  # both paths covered by the default variant
         assert split == (1 if popularity == "distinct" else 3)
-    if plan.planned and not plan.split_k:  # one adapter's single segment too: no memset
-        assert split == 1
     unread = y[~live]
     assert bool(unread.isnan().all() if split == 1 else (unread == 0).all())
     got = sgmv_expand(y, B, out.clone(), segs, QKV_A_SLICES)

@@ -61,17 +61,23 @@ def oracle_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 def make_runner(
     folder: Path, spec: str, num_slots: int, max_rank: int, device: str = "cpu",
     dtype: torch.dtype = torch.float32, cuda_graph_sizes: tuple[int, ...] = (),
+    step_graph_sizes: tuple[int, ...] = (),
 ) -> ModelRunner:  # fmt: skip
     """Our model from the checkpoint folder with an empty LoRA pool attached (and decode
-    graphs captured for `cuda_graph_sizes`, if any)."""
+    graphs captured for `cuda_graph_sizes`, step graphs for `step_graph_sizes`, if any)."""
     loaded = load_model(folder, device=device, dtype=dtype)
     shapes = model_lora_shapes(tiny_config(spec).to_dict())
     config = LoraPoolConfig(max_rank, dtype=dtype, device=device, max_loras=num_slots)
     pool = LoraPool(shapes, num_slots, config)
-    runner_config = RunnerConfig(NUM_PAGES, PAGE_SIZE, cuda_graph_batch_sizes=cuda_graph_sizes)
+    runner_config = RunnerConfig(
+        NUM_PAGES, PAGE_SIZE, cuda_graph_batch_sizes=cuda_graph_sizes,
+        step_graph_token_sizes=step_graph_sizes,
+    )  # fmt: skip
     runner = ModelRunner(loaded.model, runner_config, pool)
     if cuda_graph_sizes:
         runner.capture_decode_graphs()
+    if step_graph_sizes:
+        runner.capture_step_graphs()
     return runner
 
 

@@ -224,6 +224,53 @@ def test_linear_shrinks_fork_to_the_side_stream_only_while_a_graph_is_captured(
     assert not calls, f"eager steps forked their shrinks: {calls}"
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    "slots,scope",
+    [([1, 1, -1, 3, 1], "all"), ([2, -1, 2, 2, -1], "not_routed"), ([-1] * 5, "none")],
+)
+def test_step_graphs_equal_eager_steps(tiny_model_dirs, dtype, tol, slots, scope):
+    """Prompt steps, mixed steps (decodes beside prompt chunks with cached context) and
+    decode steps past the decode graphs replay the piecewise step graphs (sizes 16 / 32 /
+    64; steps of 20, 10 and 3-5 tokens padded) with each layer's attention eager between
+    the pieces; their logprobs equal an eager runner's. The graphs were captured while the
+    pool was empty."""
+    from inference_svc.lora.batch import LoraScope
+
+    runners = []
+    for step_sizes in ((), (16, 32, 64)):
+        runner = make_runner(
+            tiny_model_dirs[SPEC], SPEC, num_slots=4, max_rank=16, device="cuda", dtype=dtype,
+            cuda_graph_sizes=(1, 2) if step_sizes else (), step_graph_sizes=step_sizes,
+        )  # fmt: skip
+        _, attention_only = peft_case(SPEC, rank=8, seed=26, target_parameters=None)
+        for slot, case in ((1, peft_case(SPEC, rank=4, seed=27)[1]), (2, attention_only)):
+            runner.lora_pool.load(slot, case).wait_on()
+        runner.lora_pool.load(3, peft_case(SPEC, rank=16, seed=29)[1]).wait_on()
+        runners.append(runner)
+    eager, graphed = runners
+    replays: list[tuple[int, LoraScope]] = []
+    run = graphed.step_graphs.run
+
+    def recorded(graph, input_ids, batch):  # type: ignore[no-untyped-def]
+        replays.append((graph.size, LoraScope.of(graph.batch.lora)))
+        return run(graph, input_ids, batch)
+
+    graphed.step_graphs.run = recorded
+    tokens = random_tokens([9, 12, 7, 10, 11], seed=30)
+    runs = []
+    for runner in (eager, graphed):
+        scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
+        scenario.run([4, 5, 3, 6, 2], [1, 1, 3, 1, 4])
+        runs.append(scenario.seqs)
+    # 20 prompt tokens; 3 one-token rows + 7 prompt tokens with cached context; then decode
+    # steps of 5, 4 and 3 rows (past the decode graphs of 1 and 2).
+    assert (32, LoraScope(scope)) in replays and (16, LoraScope(scope)) in replays, replays
+    for eager_seq, graph_seq in zip(*runs, strict=True):
+        diff = max_logprob_diff(graph_seq, torch.stack(eager_seq.logprobs))
+        assert diff <= tol, f"slot {eager_seq.slot}: step graphs vs eager {diff:.2e}"
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_moe_lora_in_the_gemm_epilogue_equals_the_kernels_after_it(
     tiny_model_dirs, monkeypatch, dtype, tol
