@@ -70,3 +70,20 @@ def test_the_fraction_sizes_the_runtimes_lora_pool() -> None:
         build_runtime(RuntimeConfig(**base, lora_memory_fraction=1e-12), None)
     runtime = build_runtime(RuntimeConfig(**base, lora_memory_fraction=0.5), None)
     assert runtime.engine.runner.lora_pool.num_slots == 3
+
+
+def test_step_graph_max_tokens_flag_environment_and_sizes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The largest step graph reaches the runtime config; the runner's sizes stop at it (or
+    at the step's token budget), and 0 captures none."""
+    from inference_svc.runtime import step_graph_sizes
+
+    assert _runtime([]).step_graph_max_tokens == 2048
+    assert _runtime(["--step-graph-max-tokens", "0"]).step_graph_max_tokens == 0
+    monkeypatch.setenv("LORASERVE_STEP_GRAPH_MAX_TOKENS", "640")
+    assert _runtime([]).step_graph_max_tokens == 640
+    with pytest.raises(ValueError, match="step_graph_max_tokens must be >= 0"):
+        RuntimeConfig(model="tiny", base_model_name="tiny", step_graph_max_tokens=-1)
+    assert step_graph_sizes(0) == ()
+    assert step_graph_sizes(640) == (16, 32, 64, 128, 256, 384, 512, 640)
+    assert step_graph_sizes(1500)[-4:] == (896, 1024, 1280, 1500)
+    assert step_graph_sizes(20) == (16, 20)
