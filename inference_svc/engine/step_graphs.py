@@ -33,8 +33,8 @@ from inference_svc.layers.mla import QueryBuffers
 from inference_svc.lora.batch import LoraScope, capture_lora_batch
 from inference_svc.lora.pool import LoraPool
 from inference_svc.models.deepseek_v3 import DeepseekV3Model, PieceBuffers, PieceState
-from kernels.decode_inputs import DecodeInputs, pad_decode_inputs, set_decode_inputs
-from kernels.lora_segments import build_lora_segments
+from kernels.decode_inputs import DecodeInputs, set_decode_inputs, set_decode_inputs_ref
+from kernels.lora_segments import NO_SLOT, build_lora_segments
 
 
 def piece_buffers(model: DeepseekV3Model, max_tokens: int) -> PieceBuffers:
@@ -42,15 +42,88 @@ def piece_buffers(model: DeepseekV3Model, max_tokens: int) -> PieceBuffers:
     c, device, dtype = model.config, model.embed.weight.device, model.dtype
     heads = c.num_heads
 
-    def empty(*shape: int) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=device)
+    # Zeros, not garbage: rows past a step keep finite values, which the padding rows'
+    # projections and experts then compute on.
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     queries = QueryBuffers(
-        q=empty(max_tokens, heads * c.qk_head_dim),
-        q_rope=empty(max_tokens, heads, c.qk_rope_head_dim),
-        out=empty(max_tokens, heads, c.v_head_dim),
+        q=zeros(max_tokens, heads * c.qk_head_dim),
+        q_rope=zeros(max_tokens, heads, c.qk_rope_head_dim),
+        out=zeros(max_tokens, heads, c.v_head_dim),
     )
-    return PieceBuffers(empty(max_tokens, c.hidden_size), queries)
+    return PieceBuffers(zeros(max_tokens, c.hidden_size), queries)
+
+
+class PaddedStep:
+    """A step graph's static inputs: token ids, positions and cache slots of `size` rows,
+    and the batch its pieces read (those, and the LoRA segments of `scope`). `load` puts a
+    step of up to `size` tokens in, the rows past it padding."""
+
+    def __init__(
+        self,
+        size: int,
+        scope: LoraScope,
+        kv_cache: KVCache,
+        lora_pool: LoraPool | None,
+        device: torch.device,
+    ) -> None:
+        self.size, self.kv_cache = size, kv_cache
+
+        def rows(dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        # set_decode_inputs copies five fields; a step graph uses three. The other two are
+        # context lengths and a page table of no columns, from these unused source rows.
+        self._unused_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self._no_pages = torch.empty((size, 0), dtype=torch.int32, device=device)
+        self.inputs = DecodeInputs(
+            rows(torch.int64), rows(torch.int64), rows(torch.int64), rows(torch.int32),
+            torch.empty((size, 0), dtype=torch.int32, device=device),
+        )  # fmt: skip
+        self._set = set_decode_inputs if device.type == "cuda" else set_decode_inputs_ref
+        page_size = kv_cache.config.page_size
+        none = self.inputs.input_ids[:0]  # every row padding until the first load
+        self._set(self.inputs, self._rows(none, none, none), kv_cache.scratch_page, page_size)
+        lora = None
+        if lora_pool is not None and scope is not LoraScope.NONE:
+            lora = capture_lora_batch(size, lora_pool.slot_rank, scope, device)
+        # One "prefill sequence" of every row, in no prefill group: the pieces read only the
+        # positions, the cache slots and the LoRA segments, and `attend` on this batch has
+        # nothing to do.
+        self.batch = BatchMetadata(
+            positions=self.inputs.positions,
+            query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
+            context_lens=self.inputs.context_lens,
+            page_table=self.inputs.page_table,
+            slot_mapping=self.inputs.slot_mapping,
+            logits_indices=torch.empty(0, dtype=torch.int64, device=device),
+            num_decode_seqs=0,
+            query_lens=(size,),
+            context_lens_host=(size,),
+            page_size=page_size,
+            lora=lora,
+        )
+
+    def load(self, input_ids: torch.Tensor, batch: BatchMetadata) -> None:
+        """Rows [0, T) take the step's token ids, positions and cache slots; rows past it
+        are token 0 at position 0 writing the scratch page's first row with no adapter."""
+        rows = self._rows(input_ids, batch.positions, batch.slot_mapping)
+        self._set(self.inputs, rows, self.kv_cache.scratch_page, batch.page_size)
+        static_lora = self.batch.lora
+        if static_lora is not None and batch.lora is not None:
+            # The segments describe every row the pieces run, as at the capture.
+            padding = (NO_SLOT,) * (self.size - batch.num_tokens)
+            slots = batch.lora.token_slots + padding
+            build_lora_segments(slots, batch.lora.tokens.slot_rank, out=static_lora.tokens)
+
+    def _rows(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> DecodeInputs:
+        n = input_ids.shape[0]
+        return DecodeInputs(
+            input_ids, positions, slot_mapping, self._unused_lens[:n], self._no_pages[:n]
+        )
 
 
 @dataclass
@@ -58,11 +131,13 @@ class _StepGraph:
     """The captured pieces of one size and scope, their static inputs and the states they
     leave (views of the shared buffers; the first piece's RoPE tables its own)."""
 
-    size: int
-    inputs: DecodeInputs  # token ids, positions, cache slots (the other two unused)
-    batch: BatchMetadata  # what the pieces read: positions, slot_mapping, LoRA segments
+    step: PaddedStep
     pieces: list[torch.cuda.CUDAGraph]
     states: list[PieceState]
+
+    @property
+    def size(self) -> int:
+        return self.step.size
 
 
 class StepGraphs:
@@ -82,10 +157,6 @@ class StepGraphs:
         self.device = model.embed.weight.device
         self.buffers = piece_buffers(model, self.sizes[-1])
         self._graphs: dict[tuple[int, LoraScope], _StepGraph] = {}
-        # Source rows of the two inputs a step graph does not use (set_decode_inputs copies
-        # five): context lengths and a page table of no columns.
-        self._unused_lens = torch.ones(self.sizes[-1], dtype=torch.int32, device=self.device)
-        self._no_pages = torch.empty((self.sizes[-1], 0), dtype=torch.int32, device=self.device)
 
     @property
     def max_tokens(self) -> int:
@@ -123,25 +194,16 @@ class StepGraphs:
     def run(self, graph: _StepGraph, input_ids: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
         """The step's final hidden states [T, hidden]: the pieces replayed, each layer's
         attention run on `batch` between them."""
-        n = batch.num_tokens
-        step_rows = DecodeInputs(
-            input_ids, batch.positions, batch.slot_mapping, self._unused_lens[:n],
-            self._no_pages[:n],
-        )  # fmt: skip
-        set_decode_inputs(graph.inputs, step_rows, self.kv_cache.scratch_page, batch.page_size)
-        static_lora = graph.batch.lora
-        if static_lora is not None and batch.lora is not None:
-            # Rows n.. get slot -1: padding does no LoRA work.
-            slot_rank = batch.lora.tokens.slot_rank
-            build_lora_segments(batch.lora.token_slots, slot_rank, out=static_lora.tokens)
+        graph.step.load(input_ids, batch)
         graph.pieces[0].replay()
         for i, (layer, state) in enumerate(zip(self.model.layers, graph.states, strict=False)):
             layer.attn.attend(state.queries, batch, self.kv_cache.layer(i))
             graph.pieces[i + 1].replay()
-        return graph.states[-1].h[:n]
+        return graph.states[-1].h[: batch.num_tokens]
 
     def _capture(self, size: int, scope: LoraScope, pool: tuple[int, int] | None) -> _StepGraph:
-        inputs, batch = self._static_inputs(size, scope)
+        step = PaddedStep(size, scope, self.kv_cache, self.lora_pool, self.device)
+        inputs, batch = step.inputs, step.batch
         model, kv_cache, buffers = self.model, self.kv_cache, self.buffers
         layers = len(model.layers)
         # Warm up outside the graphs: Triton compiles here. The static batch has no decode
@@ -161,37 +223,4 @@ class StepGraphs:
             pool = piece.pool()
             pieces.append(piece)
             states.append(state)
-        return _StepGraph(size, inputs, batch, pieces, states)
-
-    def _static_inputs(self, size: int, scope: LoraScope) -> tuple[DecodeInputs, BatchMetadata]:
-        """A graph's input buffers, all padding rows, and the batch its pieces read."""
-        device = self.device
-
-        def rows(dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(size, dtype=dtype, device=device)
-
-        inputs = DecodeInputs(
-            rows(torch.int64), rows(torch.int64), rows(torch.int64), rows(torch.int32),
-            torch.empty((size, 0), dtype=torch.int32, device=device),
-        )  # fmt: skip
-        page_size = self.kv_cache.config.page_size
-        pad_decode_inputs(inputs, self.kv_cache.scratch_page, page_size)
-        lora = None
-        if self.lora_pool is not None and scope is not LoraScope.NONE:
-            lora = capture_lora_batch(size, self.lora_pool.slot_rank, scope, device)
-        # One "prefill sequence" of every row, in no prefill group: the pieces read only the
-        # positions, the cache slots and the LoRA segments.
-        batch = BatchMetadata(
-            positions=inputs.positions,
-            query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
-            context_lens=inputs.context_lens,
-            page_table=inputs.page_table,
-            slot_mapping=inputs.slot_mapping,
-            logits_indices=torch.empty(0, dtype=torch.int64, device=device),
-            num_decode_seqs=0,
-            query_lens=(size,),
-            context_lens_host=(size,),
-            page_size=page_size,
-            lora=lora,
-        )
-        return inputs, batch
+        return _StepGraph(step, pieces, states)

@@ -42,15 +42,21 @@ def test_bf16_cache_mode_writes_bf16_values_into_its_float32_cache() -> None:
     assert torch.equal(prefill(runtime), plain)  # closed: the runtime computes as before
 
 
-def test_fp32_residual_mode_keeps_the_residual_stream_in_float32() -> None:
+def test_fp32_residual_mode_keeps_the_residual_stream_in_float32(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     runtime = make_runtime("cpu", runtime_dtype("fp32-residual"))
     residual_dtypes: list[torch.dtype] = []
     layer = runtime.engine.runner.model.layers[0]
-    handle = layer.register_forward_hook(lambda m, args, out: residual_dtypes.append(out[0].dtype))
+    after_attention = layer.after_attention
+
+    def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+        h, pending = after_attention(*args, **kwargs)  # the layer's residual stream out
+        residual_dtypes.append(h.dtype)
+        return h, pending
+
+    monkeypatch.setattr(layer, "after_attention", recorded)
     plain = prefill(runtime)
     with rounded(runtime, "fp32-residual"):
         kept = prefill(runtime)
-    handle.remove()
     assert residual_dtypes == [torch.bfloat16, torch.float32]
     assert not torch.equal(kept, plain)
 

@@ -253,7 +253,7 @@ def test_step_graphs_equal_eager_steps(tiny_model_dirs, dtype, tol, slots, scope
     run = graphed.step_graphs.run
 
     def recorded(graph, input_ids, batch):  # type: ignore[no-untyped-def]
-        replays.append((graph.size, LoraScope.of(graph.batch.lora)))
+        replays.append((graph.size, LoraScope.of(graph.step.batch.lora)))
         return run(graph, input_ids, batch)
 
     graphed.step_graphs.run = recorded
