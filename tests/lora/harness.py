@@ -140,6 +140,27 @@ def max_logprob_diff(seq: Seq, expected: torch.Tensor) -> float:
     return (torch.stack(seq.logprobs) - expected).abs().max().item()
 
 
+# Prompt chunks, then chunks beside one-token rows on cached context: a mixed step.
+PROMPT_THEN_MIXED = ([4, 5, 3, 6, 2], [1, 1, 3, 1, 4])
+
+
+def assert_runners_agree(
+    expected: ModelRunner, checked: ModelRunner, slots: list[int], seed: int, tol: float
+) -> None:
+    """Five sequences on `slots` (PROMPT_THEN_MIXED, then decodes to the end) through each
+    runner: every token's logprobs of `checked` within `tol` of `expected`'s."""
+    tokens = random_tokens([9, 12, 7, 10, 11], seed=seed)
+    runs = []
+    for runner in (expected, checked):
+        scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
+        scenario.run(*PROMPT_THEN_MIXED)
+        runs.append(scenario.seqs)
+    for expected_seq, checked_seq in zip(*runs, strict=True):
+        assert len(checked_seq.logprobs) == len(expected_seq.logprobs)
+        diff = max_logprob_diff(checked_seq, torch.stack(expected_seq.logprobs))
+        assert diff <= tol, f"slot {expected_seq.slot}: {diff:.2e} from the expected runner"
+
+
 @dataclass(frozen=True)
 class SeqKL:
     """Worst token of one sequence: KL(peft fp32 ‖ ours), KL(peft fp32 ‖ peft bf16), and the

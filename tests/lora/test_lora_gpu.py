@@ -10,6 +10,7 @@ from tests.fixtures.tiny_models import build_tiny_model
 from tests.lora.harness import (
     Scenario,
     Seq,
+    assert_runners_agree,
     make_runner,
     max_logprob_diff,
     oracle_logprobs,
@@ -257,18 +258,10 @@ def test_step_graphs_equal_eager_steps(tiny_model_dirs, dtype, tol, slots, scope
         return run(graph, input_ids, batch)
 
     graphed.step_graphs.run = recorded
-    tokens = random_tokens([9, 12, 7, 10, 11], seed=30)
-    runs = []
-    for runner in (eager, graphed):
-        scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
-        scenario.run([4, 5, 3, 6, 2], [1, 1, 3, 1, 4])
-        runs.append(scenario.seqs)
+    assert_runners_agree(eager, graphed, slots, seed=30, tol=tol)
     # 20 prompt tokens; 3 one-token rows + 7 prompt tokens with cached context; then decode
     # steps of 5, 4 and 3 rows (past the decode graphs of 1 and 2).
     assert (32, LoraScope(scope)) in replays and (16, LoraScope(scope)) in replays, replays
-    for eager_seq, graph_seq in zip(*runs, strict=True):
-        diff = max_logprob_diff(graph_seq, torch.stack(eager_seq.logprobs))
-        assert diff <= tol, f"slot {eager_seq.slot}: step graphs vs eager {diff:.2e}"
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

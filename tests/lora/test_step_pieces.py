@@ -18,7 +18,7 @@ from inference_svc.engine.batch import BatchMetadata
 from inference_svc.engine.model_runner import ModelRunner
 from inference_svc.engine.step_graphs import PaddedStep, piece_buffers
 from inference_svc.lora.batch import LoraScope
-from tests.lora.harness import Scenario, Seq, make_runner, peft_case, random_tokens
+from tests.lora.harness import assert_runners_agree, make_runner, peft_case
 
 SPEC = "v3_q_lora"
 PADDING = 11  # rows past each step
@@ -52,14 +52,4 @@ def test_padded_pieces_equal_the_forward(tiny_model_dirs, slots) -> None:  # typ
     folder = tiny_model_dirs[SPEC]
     plain, pieced = _adapted_runner(folder), _adapted_runner(folder)
     pieced.execute = lambda ids, batch: _run_as_pieces(pieced, ids, batch)  # type: ignore[method-assign]
-    tokens = random_tokens([9, 12, 7, 10, 11], seed=43)
-    runs = []
-    for runner in (plain, pieced):
-        scenario = Scenario(runner, [Seq(t, s) for t, s in zip(tokens, slots, strict=True)])
-        scenario.run([4, 5, 3, 6, 2], [1, 1, 3, 1, 4])
-        runs.append(scenario.seqs)
-    for plain_seq, pieced_seq in zip(*runs, strict=True):
-        plain_lp, pieced_lp = torch.stack(plain_seq.logprobs), torch.stack(pieced_seq.logprobs)
-        assert plain_lp.shape == pieced_lp.shape
-        diff = (plain_lp - pieced_lp).abs().max().item()
-        assert diff <= 1e-5, f"slot {plain_seq.slot}: pieces vs forward {diff:.2e}"
+    assert_runners_agree(plain, pieced, slots, seed=43, tol=1e-5)
