@@ -206,8 +206,9 @@ class StepGraphs:
         inputs, batch = step.inputs, step.batch
         model, kv_cache, buffers = self.model, self.kv_cache, self.buffers
         layers = len(model.layers)
-        # Warm up outside the graphs: Triton compiles here. The static batch has no decode
-        # rows and no prefill groups, so `attend` has nothing to do while capturing.
+        # Warm up outside the graphs: Triton compiles here. The pieces run back to back, as
+        # they are captured: on the static batch (no decode rows, no prefill groups) the
+        # attention between them would have nothing to do.
         state = model.first_piece(inputs.input_ids, batch, kv_cache, buffers)
         for i in range(layers):
             state = model.next_piece(i, state, batch, kv_cache, buffers)
