@@ -79,6 +79,10 @@ class ModelRunner:
         self.lora_pool = lora_pool
         if lora_pool is not None:
             attach_lora_pool(model, lora_pool)
+        # The LoRA scopes the decode and step graphs are captured in.
+        self.graph_scopes = LoraScope.captured(
+            None if lora_pool is None else lora_pool.holds_routed_experts
+        )
         self._graphs: dict[tuple[int, LoraScope], _DecodeGraph] = {}  # by (size, scope)
         self.step_graphs: StepGraphs | None = None
         # Steps with prompt tokens replay the step graphs while this holds (benchmarks
@@ -115,9 +119,7 @@ class ModelRunner:
             return None
         if batch.page_table.shape[1] > self.config.max_pages_per_seq:
             return None
-        scope = LoraScope.of(batch.lora)
-        if scope is LoraScope.NOT_ROUTED and all(k is not scope for _, k in self._graphs):
-            scope = LoraScope.ALL  # a pool without routed experts: one LoRA graph per size
+        scope = LoraScope.serving(batch.lora, {k for _, k in self._graphs})
         fitting = [s for s, k in self._graphs if k is scope and s >= batch.num_seqs]
         return self._graphs[min(fitting), scope] if fitting else None
 
@@ -140,11 +142,7 @@ class ModelRunner:
             query_lens=(1,) * size,
             context_lens_host=(1,) * size,
             page_size=self.config.page_size,
-            lora=(
-                None
-                if self.lora_pool is None or scope is LoraScope.NONE
-                else capture_lora_batch(size, self.lora_pool.slot_rank, scope, device)
-            ),
+            lora=capture_lora_batch(size, self.lora_slot_rank, scope, device),
         )
         inputs = _decode_inputs(torch.empty(size, dtype=torch.int64, device=device), batch)
         pad_decode_inputs(inputs, self.kv_cache.scratch_page, self.config.page_size)
@@ -156,13 +154,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
         pool = None
-        scopes = [LoraScope.NONE]
-        if self.lora_pool is not None:
-            scopes.append(LoraScope.ALL)
-            if self.lora_pool.holds_routed_experts:
-                scopes.append(LoraScope.NOT_ROUTED)
         for size in sorted(self.config.cuda_graph_batch_sizes, reverse=True):
-            for scope in scopes:
+            for scope in self.graph_scopes:
                 inputs, batch = self._static_decode_batch(size, scope)
                 # Warm up outside the graph: Triton compiles and autotunes here.
                 self.model.compute_logits(self.model(inputs.input_ids, batch, self.kv_cache))
@@ -182,7 +175,9 @@ class ModelRunner:
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
         sizes = self.config.step_graph_token_sizes
         if sizes:
-            self.step_graphs = StepGraphs(self.model, self.kv_cache, sizes, self.lora_pool)
+            self.step_graphs = StepGraphs(
+                self.model, self.kv_cache, sizes, self.lora_pool, self.graph_scopes
+            )
             self.step_graphs.capture()
 
     def release_decode_graphs(self) -> None:

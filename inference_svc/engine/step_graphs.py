@@ -85,9 +85,8 @@ class PaddedStep:
         page_size = kv_cache.config.page_size
         none = self.inputs.input_ids[:0]  # every row padding until the first load
         self._set(self.inputs, self._rows(none, none, none), kv_cache.scratch_page, page_size)
-        lora = None
-        if lora_pool is not None and scope is not LoraScope.NONE:
-            lora = capture_lora_batch(size, lora_pool.slot_rank, scope, device)
+        slot_rank = None if lora_pool is None else lora_pool.slot_rank
+        lora = capture_lora_batch(size, slot_rank, scope, device)
         # One "prefill sequence" of every row, in no prefill group: the pieces read only the
         # positions, the cache slots and the LoRA segments, and `attend` on this batch has
         # nothing to do.
@@ -148,11 +147,14 @@ class StepGraphs:
         model: DeepseekV3Model,
         kv_cache: KVCache,
         sizes: tuple[int, ...],
-        lora_pool: LoraPool | None = None,
+        lora_pool: LoraPool | None,
+        scopes: tuple[LoraScope, ...],
     ) -> None:
+        """`scopes`: the LoRA scopes to capture (`ModelRunner.graph_scopes`)."""
         if not sizes or min(sizes) < 1:
             raise ValueError(f"step graph sizes must be positive, got {sizes}")
         self.model, self.kv_cache, self.lora_pool = model, kv_cache, lora_pool
+        self.scopes = scopes
         self.sizes = tuple(sorted(set(sizes)))
         self.device = model.embed.weight.device
         self.buffers = piece_buffers(model, self.sizes[-1])
@@ -162,21 +164,12 @@ class StepGraphs:
     def max_tokens(self) -> int:
         return self.sizes[-1]
 
-    def scopes(self) -> list[LoraScope]:
-        """The LoRA scopes captured: as the decode graphs' (`ModelRunner`)."""
-        if self.lora_pool is None:
-            return [LoraScope.NONE]
-        scopes = [LoraScope.NONE, LoraScope.ALL]
-        if self.lora_pool.holds_routed_experts:
-            scopes.append(LoraScope.NOT_ROUTED)
-        return scopes
-
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size (largest first) and scope into one memory pool."""
         pool = None
         for size in reversed(self.sizes):
-            for scope in self.scopes():
+            for scope in self.scopes:
                 graph = self._capture(size, scope, pool)
                 pool = graph.pieces[0].pool()
                 self._graphs[size, scope] = graph
@@ -185,9 +178,7 @@ class StepGraphs:
         """The smallest captured graph of the batch's scope that holds its tokens."""
         if not self._graphs or batch.num_tokens > self.max_tokens:
             return None
-        scope = LoraScope.of(batch.lora)
-        if scope is LoraScope.NOT_ROUTED and LoraScope.NOT_ROUTED not in self.scopes():
-            scope = LoraScope.ALL  # a pool without routed experts: one LoRA graph per size
+        scope = LoraScope.serving(batch.lora, self.scopes)
         size = next(s for s in self.sizes if s >= batch.num_tokens)
         return self._graphs.get((size, scope))
 

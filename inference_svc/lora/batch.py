@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +70,22 @@ class LoraScope(enum.Enum):
         if lora is None:
             return cls.NONE
         return cls.ALL if lora.routed_experts else cls.NOT_ROUTED
+
+    @classmethod
+    def captured(cls, holds_routed_experts: bool | None) -> tuple[LoraScope, ...]:
+        """The scopes a runner captures graphs of: NONE without a LoRA pool (None), ALL
+        too with one, and NOT_ROUTED where the pool holds routed-expert weights."""
+        if holds_routed_experts is None:
+            return (cls.NONE,)
+        return (cls.NONE, cls.ALL, cls.NOT_ROUTED) if holds_routed_experts else (cls.NONE, cls.ALL)
+
+    @classmethod
+    def serving(cls, lora: LoraBatch | None, captured: Collection[LoraScope]) -> LoraScope:
+        """The captured scope whose graphs run a step of `lora`: its own, or ALL for
+        NOT_ROUTED where that is not captured (a pool without routed experts has one LoRA
+        graph a size)."""
+        scope = cls.of(lora)
+        return cls.ALL if scope not in captured else scope
 
 
 def build_lora_batch(
@@ -137,11 +153,14 @@ def _context_segments(
 
 
 def capture_lora_batch(
-    size: int, slot_rank: Tensor, scope: LoraScope, device: torch.device | str
-) -> LoraBatch:
-    """The LoRA batch a CUDA graph of `size` tokens is captured with (scope ALL or
-    NOT_ROUTED): fixed-size segment buffers, all tokens on no adapter, which each replay
-    rewrites in place (`build_lora_segments(..., out=batch.tokens)`)."""
+    size: int, slot_rank: Tensor | None, scope: LoraScope, device: torch.device | str
+) -> LoraBatch | None:
+    """The LoRA batch a CUDA graph of `size` tokens is captured with: fixed-size segment
+    buffers, all tokens on no adapter, which each replay rewrites in place
+    (`build_lora_segments(..., out=batch.tokens)`); None in scope NONE or without a LoRA
+    pool (slot_rank None)."""
+    if slot_rank is None or scope is LoraScope.NONE:
+        return None
     segs = allocate_lora_segments(
         LoraSegmentsConfig(max_tokens=size, num_slots=slot_rank.shape[0]), device
     )

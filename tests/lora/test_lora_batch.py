@@ -207,3 +207,13 @@ def test_a_decode_step_replays_the_graph_of_its_lora_scope():
     assert graph(1, decode=False) is None
     del runner._graphs[1, LoraScope.NOT_ROUTED], runner._graphs[4, LoraScope.NOT_ROUTED]
     assert graph(1) is graphs[1, LoraScope.ALL]
+
+
+def test_graphs_are_captured_per_lora_scope_the_pool_can_need():
+    """No pool: only the no-LoRA graphs; a pool: the LoRA ones too, and graphs without the
+    routed experts' LoRA only where the pool holds routed-expert weights."""
+    assert LoraScope.captured(None) == (LoraScope.NONE,)
+    assert LoraScope.captured(False) == (LoraScope.NONE, LoraScope.ALL)
+    assert set(LoraScope.captured(True)) == set(LoraScope)
+    runner = ModelRunner(_model("v3_q_lora"), RunnerConfig(num_pages=8), _pool("v3_q_lora"))
+    assert runner.graph_scopes == LoraScope.captured(runner.lora_pool.holds_routed_experts)
