@@ -61,11 +61,12 @@ def oracle_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 def make_runner(
     folder: Path, spec: str, num_slots: int, max_rank: int, device: str = "cpu",
     dtype: torch.dtype = torch.float32, cuda_graph_sizes: tuple[int, ...] = (),
-    step_graph_sizes: tuple[int, ...] = (),
+    step_graph_sizes: tuple[int, ...] = (), expert_activations: str = "bf16",
 ) -> ModelRunner:  # fmt: skip
     """Our model from the checkpoint folder with an empty LoRA pool attached (and decode
-    graphs captured for `cuda_graph_sizes`, step graphs for `step_graph_sizes`, if any)."""
-    loaded = load_model(folder, device=device, dtype=dtype)
+    graphs captured for `cuda_graph_sizes`, step graphs for `step_graph_sizes`, if any);
+    `expert_activations` as in `load_model` (read where the folder holds FP8 experts)."""
+    loaded = load_model(folder, device=device, dtype=dtype, expert_activations=expert_activations)
     shapes = model_lora_shapes(tiny_config(spec).to_dict())
     config = LoraPoolConfig(max_rank, dtype=dtype, device=device, max_loras=num_slots)
     pool = LoraPool(shapes, num_slots, config)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from tests.fixtures.fp8_checkpoints import FP8_CONFIG, copy_with, fp8_tensors
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.lora.harness import (
     Scenario,
@@ -225,12 +227,7 @@ def test_linear_shrinks_fork_to_the_side_stream_only_while_a_graph_is_captured(
     assert not calls, f"eager steps forked their shrinks: {calls}"
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize(
-    "slots,scope",
-    [([1, 1, -1, 3, 1], "all"), ([2, -1, 2, 2, -1], "not_routed"), ([-1] * 5, "none")],
-)
-def test_step_graphs_equal_eager_steps(tiny_model_dirs, dtype, tol, slots, scope):
+def _assert_step_graphs_equal_eager(folder, dtype, tol, slots, scope, expert_activations="bf16"):
     """Prompt steps, mixed steps (decodes beside prompt chunks with cached context) and
     decode steps past the decode graphs replay the piecewise step graphs (sizes 16 / 32 /
     64; steps of 20, 10 and 3-5 tokens padded) with each layer's attention eager between
@@ -241,8 +238,9 @@ def test_step_graphs_equal_eager_steps(tiny_model_dirs, dtype, tol, slots, scope
     runners = []
     for step_sizes in ((), (16, 32, 64)):
         runner = make_runner(
-            tiny_model_dirs[SPEC], SPEC, num_slots=4, max_rank=16, device="cuda", dtype=dtype,
+            folder, SPEC, num_slots=4, max_rank=16, device="cuda", dtype=dtype,
             cuda_graph_sizes=(1, 2) if step_sizes else (), step_graph_sizes=step_sizes,
+            expert_activations=expert_activations,
         )  # fmt: skip
         _, attention_only = peft_case(SPEC, rank=8, seed=26, target_parameters=None)
         for slot, case in ((1, peft_case(SPEC, rank=4, seed=27)[1]), (2, attention_only)):
@@ -262,6 +260,27 @@ def test_step_graphs_equal_eager_steps(tiny_model_dirs, dtype, tol, slots, scope
     # 20 prompt tokens; 3 one-token rows + 7 prompt tokens with cached context; then decode
     # steps of 5, 4 and 3 rows (past the decode graphs of 1 and 2).
     assert (32, LoraScope(scope)) in replays and (16, LoraScope(scope)) in replays, replays
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    "slots,scope",
+    [([1, 1, -1, 3, 1], "all"), ([2, -1, 2, 2, -1], "not_routed"), ([-1] * 5, "none")],
+)
+def test_step_graphs_equal_eager_steps(tiny_model_dirs, dtype, tol, slots, scope):
+    _assert_step_graphs_equal_eager(tiny_model_dirs[SPEC], dtype, tol, slots, scope)
+
+
+@pytest.mark.parametrize("activations", ["bf16", "e4m3"])
+def test_step_graphs_equal_eager_steps_on_fp8_experts(tiny_model_dirs, tmp_path, activations):
+    """The same on FP8 block-quantized experts, whose grouped GEMMs take other tile plans
+    and (e4m3 activations) quantize their inputs in the captured pieces."""
+    folder = tiny_model_dirs[SPEC]
+    quantized, _ = fp8_tensors(load_file(str(folder / "model.safetensors")))
+    fp8_folder = copy_with(folder, tmp_path / "fp8", quantized, FP8_CONFIG)
+    _assert_step_graphs_equal_eager(
+        fp8_folder, torch.bfloat16, 2e-2, [1, 1, -1, 3, 2], "all", activations
+    )
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
