@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
+
+from bench.provenance import provenance
 
 
 def measure_copy_bandwidth(n_bytes: int = 2 * 1024**3, reps: int = 20) -> float:
@@ -56,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     result = {
         "device": torch.cuda.get_device_name(),
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance("ceilings"),
         "copy_bytes_per_s": measure_copy_bandwidth(),
         "bf16_flops_per_s": measure_bf16_matmul(),
         "torch": torch.__version__,

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from bench.gpu_timing import bar_plot, device_name, write_json
+from bench.provenance import provenance
 
 MIB = 1 << 20
 LOAD_BYTES = 582 * MIB  # one rank-16 all-module V2-Lite adapter
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "benchmark": "copy_contention",
         "device": device_name(torch.device("cuda")),
-        "command": " ".join(["python3 -m bench.copy_contention", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **provenance("copy_contention", argv),
     }
     write_json(args.out, meta, rows)
     bar_plot(

@@ -10,12 +10,13 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from bench.provenance import provenance
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, rep: int = 50) -> float:
@@ -86,12 +87,11 @@ def kernel_bench_args(
 
 
 def run_meta(benchmark: str, device: torch.device, started: float, **extra: object) -> dict:
-    """The JSON meta of a bench run: name, device, the command, date, `extra`, seconds."""
+    """The JSON meta of a bench run: name, device, its provenance, `extra`, seconds."""
     return {
         "benchmark": benchmark,
         "device": device_name(device),
-        "command": " ".join([f"python3 -m bench.{benchmark}", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **provenance(benchmark),
         **extra,
         "seconds": time.perf_counter() - started,
     }

@@ -30,6 +30,7 @@ from bench.gpu_timing import (
     write_json,
 )
 from bench.kernel_variants import block_m_v1
+from bench.provenance import provenance
 from kernels import fp8
 from kernels import fused_moe as fm
 from kernels import int_quant as iq
@@ -239,6 +240,7 @@ def main() -> None:
             )
     meta = {
         "device": device_name(device),
+        **provenance("kernels_base"),
         "copy_bandwidth_bytes_per_s": bandwidth,
         "bf16_matmul_flop_per_s": flops_ceiling,
     }

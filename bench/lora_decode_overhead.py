@@ -56,6 +56,7 @@ from adapter_store.model_shapes import is_routed_expert_module
 from bench.gpu_timing import copy_bandwidth, device_name, time_ms
 from bench.lora_floor import lora_step_bytes, tokens_per_slot
 from bench.model_decode import SMOKE_OVERRIDES, V2_LITE_Q_LORA, random_model, step_bytes
+from bench.provenance import provenance
 from bench.step_profile import profile_step
 from inference_svc.engine.batch import BatchMetadata, SequenceStep, build_batch
 from inference_svc.engine.kv_pages import pages_for
@@ -568,6 +569,7 @@ def run(
                 measured[key]["prefill"] = measure_prefill(setup, profile)
     results = {
         "device": device_name(torch.device("cuda")),
+        **provenance("lora_decode_overhead"),
         "model": "DeepSeek-V2-Lite shape, q_lora_rank 1536, random bf16 weights",
         "layers": layers,
         "context": context,

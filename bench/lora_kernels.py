@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench.provenance import provenance
 from kernels.lora_segments import LoraSegments, build_lora_segments
 from kernels.mla_lora import (
     MLA_VARIANTS,
@@ -431,6 +432,7 @@ def run(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "device": torch.cuda.get_device_name(),
+        **provenance("lora_kernels"),
         "copy_bytes_per_s": copy_bw,
         "rows": [asdict(r) for r in rows],
     }

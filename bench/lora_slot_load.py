@@ -27,6 +27,7 @@ import torch
 
 from adapter_store.format import CanonicalAdapter, model_lora_shapes
 from adapter_store.synthetic import random_adapter
+from bench.provenance import provenance
 from inference_svc.adapters.host_cache import adapter_bytes
 from inference_svc.lora.pool import MIB, LoraPool, LoraPoolConfig
 
@@ -188,7 +189,6 @@ def measure(args: argparse.Namespace) -> dict:
         sync(device)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "model": "DeepSeek-V2-Lite shapes",
         "layers": args.layers,
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pool-ranks", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--staging-mib", type=int, default=128)
     args = parser.parse_args(argv)
-    result = measure(args)
+    result = {**provenance("lora_slot_load", argv), **measure(args)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     plot(result, args.out.with_suffix(".png"))

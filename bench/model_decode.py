@@ -26,6 +26,7 @@ import torch
 from bench.fp8_experts import EXPERT_WEIGHTS, fp8_block, quantize_routed_experts
 from bench.gpu_timing import bar_plot, copy_bandwidth, device_name, time_ms, write_json
 from bench.kernel_variants import VARIANTS, kernel_variant
+from bench.provenance import provenance
 from bench.step_profile import profile_step
 from inference_svc.engine.batch import SequenceStep, build_batch
 from inference_svc.engine.kv_pages import pages_for
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     meta = {
         "device": device_name(device),
+        **provenance("model_decode", argv),
         "dtype": str(dtype),
         "copy_bandwidth_bytes_per_s": bandwidth,
         "config": raw,

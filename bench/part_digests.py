@@ -13,14 +13,14 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from adapter_store.format import DIGEST_PART_BYTES, part_views, sha256_hex
-from bench.serve_setup import now_iso, save
+from bench.provenance import provenance
+from bench.serve_setup import save
 
 MIB = 1 << 20
 
@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {
         "benchmark": "part_digests",
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
-        "date": now_iso(),
-        "command": " ".join(["python -m bench.part_digests", *(argv or sys.argv[1:])]),
+        **provenance("part_digests", argv, "python"),
         "MiB": args.mib,
         "part_bytes": DIGEST_PART_BYTES,
         "whole": whole,

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,8 +35,9 @@ from typing import Any
 import torch
 
 from adapter_store.model_shapes import model_lora_shapes
+from bench.provenance import provenance
 from bench.serve_cold_path import BUCKET, SMOKE_CONFIG, box_plot, stored_adapter
-from bench.serve_setup import now_iso, percentiles_ms, save
+from bench.serve_setup import percentiles_ms, save
 from bench.store_throughput import V2_LITE
 from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig
 from inference_svc.adapters.residency import AdapterResidency
@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {
         "benchmark": "queued_cold_adapter",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
-        "date": now_iso(),
-        "command": " ".join(["python -m bench.queued_cold_adapter", *sys.argv[1:]]),
+        **provenance("queued_cold_adapter", argv, "python"),
         "adapter_bytes": stored.adapter.size_bytes,
         "rounds": rounds,
         "run_steps": args.run_steps,

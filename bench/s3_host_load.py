@@ -22,16 +22,15 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from adapter_store.format import Manifest, model_lora_shapes, serialize
 from bench.lora_slot_load import RANK, SCENARIOS, V2_LITE
+from bench.provenance import provenance
 from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig, adapter_bytes
 from inference_svc.adapters.s3_fetch import S3AdapterFetcher, S3FetchConfig, adapter_prefix
 from inference_svc.engine.sequence import AdapterBinding
@@ -204,8 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
             s3.stop()
     result = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m bench.s3_host_load", *(argv or sys.argv[1:])]),
+        **provenance("s3_host_load", argv, "python"),
         "layers": args.layers,
         "repeats": args.repeats,
         "torch_threads": args.torch_threads,

@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import platform
-import sys
 import tempfile
 import threading
 import time
@@ -41,7 +40,8 @@ from typing import Any
 
 from adapter_store.client import StoreClient
 from adapter_store.format import CanonicalAdapter
-from bench.serve_setup import now_iso, percentiles_ms, save
+from bench.provenance import provenance
+from bench.serve_setup import percentiles_ms, save
 from bench.store_throughput import V2_LITE, v2_lite_peft_folder
 from inference_svc.adapters.host_cache import HostAdapterCache, HostCacheConfig
 from inference_svc.adapters.owned_tensors import Consume, T
@@ -270,8 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {
         "benchmark": "serve_cold_path",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
-        "date": now_iso(),
-        "command": " ".join(["python -m bench.serve_cold_path", *sys.argv[1:]]),
+        **provenance("serve_cold_path", argv, "python"),
         "adapter": f"rank 16, {modules}, {hf_config['num_hidden_layers']} layers, bf16",
         "peft_bytes": peft_bytes,
         "adapter_bytes": adapter.size_bytes,

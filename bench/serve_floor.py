@@ -31,6 +31,7 @@ from adapter_store.model_shapes import ModuleShape, model_lora_shapes
 from bench.gpu_timing import bar_plot, write_json
 from bench.lora_floor import lora_step_bytes, tokens_per_slot
 from bench.model_decode import V2_LITE_Q_LORA, step_bytes
+from bench.provenance import provenance
 from bench.serve_setup import ADAPTER_MODULES, draw_popularity
 from inference_svc.model.config import parse_config
 from inference_svc.model.loader import build_model
@@ -125,7 +126,13 @@ def main(argv: list[str] | None = None) -> None:
             ),
         }
         print(f"{modules:>9}  run ceilings (decode share {share}): {ceilings[modules]}")
-    meta = {**vars(args), "out": str(args.out), "base_step_bytes": base, "ceilings": ceilings}
+    meta = {
+        **vars(args),
+        "out": str(args.out),
+        **provenance("serve_floor", argv, "python"),
+        "base_step_bytes": base,
+        "ceilings": ceilings,
+    }
     write_json(args.out, meta, [asdict(r) for r in rows])
     labels = [f"N={r.adapters} {r.popularity}" for r in rows if r.modules == "all"]
     series = {

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import Future
@@ -45,6 +44,7 @@ import torch
 
 from bench.gpu_timing import device_name
 from bench.host_profile import HostProfile
+from bench.provenance import provenance
 from bench.serve_setup import (
     AdapterLibrary,
     ServeBenchConfig,
@@ -57,7 +57,6 @@ from bench.serve_setup import (
     host_bytes_note,
     make_request,
     model_label,
-    now_iso,
     save,
     synchronize,
 )
@@ -517,8 +516,7 @@ def main(argv: list[str] | None = None) -> None:
         results: dict[str, Any] = {
             "meta": {
                 "benchmark": "serve_offline",
-                "date": now_iso(),
-                "command": " ".join(["python3 -m bench.serve_offline", *sys.argv[1:]]),
+                **provenance("serve_offline", argv),
                 "device": device_name(torch.device(config.device)),
                 "model": model_label(config),
                 "experts": config.experts,

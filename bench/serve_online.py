@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from concurrent.futures import Future
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 
 from bench.gpu_timing import device_name
+from bench.provenance import provenance
 from bench.serve_offline import compiled_kernel_names, triton_cache_entries, warm_up
 from bench.serve_setup import (
     AdapterLibrary,
@@ -56,7 +56,6 @@ from bench.serve_setup import (
     host_bytes_note,
     make_request,
     model_label,
-    now_iso,
     percentiles_ms,
     save,
 )
@@ -376,8 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         results: dict[str, Any] = {
             "meta": {
                 "benchmark": "serve_online",
-                "date": now_iso(),
-                "command": " ".join(["python3 -m bench.serve_online", *sys.argv[1:]]),
+                **provenance("serve_online", argv),
                 "device": device_name(torch.device(config.device)),
                 "model": model_label(config),
                 "experts": config.experts,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -460,7 +459,3 @@ def host_bytes_note(library: AdapterLibrary) -> str:
         f"{library.distinct} distinct weight sets of {library.adapter_bytes / 1e6:.0f} MB "
         "behind every adapter name (host entries alias them; each name has its own slot load)"
     )
-
-
-def now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.gpu_timing import device_name
 from bench.kernel_variants import VARIANTS, kernel_variant
 from bench.lora_decode_overhead import decode_batch, make_setup, v2_lite_config
+from bench.provenance import provenance
 
 Event = tuple[str, float, float, int]
 
@@ -77,6 +78,7 @@ def main() -> None:
     keys = ("batch", "adapters", "layers", "context", "steps", "variant")
     meta = {key: getattr(args, key) for key in keys}
     meta["device"] = device_name(torch.device("cuda"))
+    meta.update(provenance("step_trace"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "events": events}))
     print(f"{len(events)} launches in {args.steps} steps → {args.out}")

@@ -5,7 +5,7 @@ routed experts with per-expert LoRA, shared experts, MLA q/kv_a/kv_b/o), as PEFT
 safetensors. A real `redis-server` and `weed server -s3` are started on free ports and the
 store runs as its own process (`python -m adapter_store serve`).
 
-    python bench/store_throughput.py --out-json results.json --out-png results.png
+    python -m bench.store_throughput --out-json results.json --out-png results.png
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from adapter_store.client import StoreClient  # noqa: E402
 from adapter_store.normalize import normalize_peft  # noqa: E402
+from bench.provenance import provenance  # noqa: E402
 from tests.fixtures.servers import RedisServer, SeaweedS3Server  # noqa: E402
 from tests.fixtures.services import ServiceProcess  # noqa: E402
 
@@ -202,8 +202,7 @@ def main() -> None:
     fetch_p50 = statistics.median(measured["fetch_s"])
     results = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+        **provenance("store_throughput", interpreter="python"),
         "repeats": args.repeats,
         "peft_bytes": peft_bytes,
         "canonical_bytes": measured["canonical_bytes"],

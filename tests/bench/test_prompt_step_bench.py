@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from bench import prompt_step
@@ -21,6 +22,7 @@ def test_prompt_step_smoke(tmp_path: Path) -> None:
         assert row["path"] == ["eager"]
         assert list(row["prompt_step_ms_median_by_path"]) == ["eager"]
     assert meta["paths"] == ["eager"]
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", meta["revision"])  # via run_meta
     assert out.with_suffix(".png").stat().st_size > 0
 
 

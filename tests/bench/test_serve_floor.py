@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -55,6 +56,8 @@ def test_the_v2_lite_counts_and_ceilings(tmp_path):
     assert floors[("all", 32, "uniform")] > 5 * floors[("no-routed", 32, "uniform")] > 0
     for ceilings in data["meta"]["ceilings"].values():
         assert all(0.5 < value < 1 for value in ceilings.values())
+    assert data["meta"]["command"] == f"python -m bench.serve_floor --out {out} --draws 3"
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", data["meta"]["revision"])
     assert out.with_suffix(".png").stat().st_size > 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,9 @@ def test_serve_offline_smoke(tmp_path: Path) -> None:
     assert rows["N=2 uniform"]["slot_loads"] >= 2  # every scenario starts with cold slots
     assert results["ratios"]["vs_no_lora"]["N=8 zipf"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+    meta = results["meta"]
+    assert meta["command"] == f"python3 -m bench.serve_offline --out {out} --smoke"
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", meta["revision"])
 
 
 def test_serve_offline_resident_adapters_start_in_slots(tmp_path: Path) -> None:
