@@ -119,7 +119,7 @@ class ModelRunner:
             return None
         if batch.page_table.shape[1] > self.config.max_pages_per_seq:
             return None
-        scope = LoraScope.serving(batch.lora, {k for _, k in self._graphs})
+        scope = LoraScope.serving(batch.lora, self.graph_scopes)
         fitting = [s for s, k in self._graphs if k is scope and s >= batch.num_seqs]
         return self._graphs[min(fitting), scope] if fitting else None
 

@@ -61,6 +61,12 @@ class PieceBuffers:
     queries: QueryBuffers
 
 
+def _held(h: torch.Tensor, buffers: PieceBuffers | None) -> torch.Tensor:
+    """h [T, hidden] as a piece leaves it: copied into the fixed buffer when the piece is a
+    step graph's (`buffers`), else h itself."""
+    return h if buffers is None else buffers.h[: h.shape[0]].copy_(h)
+
+
 @dataclass(frozen=True)
 class PieceState:
     """What one piece of a step hands the next across a layer's attention: the residual
@@ -242,9 +248,7 @@ class DeepseekV3Model(nn.Module):
                 done + 1, h, pending, state.cos_sin, batch, kv_cache, buffers
             )
         hidden = self.norm.add_then_norm(h, pending)[1]
-        if buffers is not None:
-            hidden = buffers.h[: hidden.shape[0]].copy_(hidden)
-        return PieceState(hidden, state.cos_sin, None)
+        return PieceState(_held(hidden, buffers), state.cos_sin, None)
 
     def _up_to_attention(
         self,
@@ -261,9 +265,7 @@ class DeepseekV3Model(nn.Module):
         h, queries = layer.before_attention(
             h, pending, batch, self.rope, cos_sin, kv_cache.layer(index), queries_buffers
         )
-        if buffers is not None:
-            h = buffers.h[: h.shape[0]].copy_(h)
-        return PieceState(h, cos_sin, queries)
+        return PieceState(_held(h, buffers), cos_sin, queries)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
