@@ -48,6 +48,7 @@ from bench.serve_setup import (
     model_label,
     synchronize,
 )
+from bench.step_profile import interval_union
 from inference_svc.engine.engine import LLMEngine
 from inference_svc.engine.sequence import AdapterBinding
 
@@ -129,14 +130,9 @@ class PromptSteps:
 
 
 def union_ms(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of sorted (start, end) µs spans, in ms (overlapping kernels of
-    several streams count once)."""
-    busy, end = 0.0, float("-inf")
-    for start, stop in spans:
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
-    return busy / 1e3
+    """Length of the union of (start, end) µs spans, in ms (overlapping kernels of several
+    streams count once)."""
+    return interval_union(spans) / 1e3
 
 
 def summary(arm: str, round_index: int, result: dict[str, Any]) -> dict[str, Any]:
