@@ -39,7 +39,7 @@ from kernels.int_quant import (
     per_token_quant_int8_ref,
 )
 from kernels.launch import fast
-from kernels.moe_lora import MoeLoraEpilogue, add_pair_lora, first_pair_lora
+from kernels.moe_lora import MoeLoraEpilogue, add_pair_lora, first_pair_lora, sorted_row_slots
 from kernels.moe_routing import choose_rows
 from kernels.pdl import grid_dependency_control
 from kernels.sgmv import dot_precision, rank_block
@@ -541,7 +541,7 @@ def _grouped_gemm_kernel(
     pair_ids_ptr, sel_logits_ptr, sel_bias_ptr, sel_weights_ptr, num_experts, sel_scaling,
     N, K, num_pairs, rows_per_a,
     stride_am, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    ly_ptr, lb_ptr, l_pair_token_ptr, l_token_slot_ptr, l_slot_rank_ptr, LORA_R, LORA_B_EXPERTS,
+    ly_ptr, lb_ptr, l_row_slot_ptr, l_slot_rank_ptr, LORA_R, LORA_B_EXPERTS, l_num_rows,
     stride_ly, stride_lbs, stride_lbe, stride_lbn,
     BN: tl.constexpr, BK: tl.constexpr, SCHEME: tl.constexpr, SCALE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -596,8 +596,8 @@ def _grouped_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if LORA_SLICES > 0:
         l_slot, l_first_slice, l_first_slot, l_first_y, l_first_b = first_pair_lora(
-            pair, real, expert, pid_n * BLOCK_N,
-            ly_ptr, lb_ptr, l_pair_token_ptr, l_token_slot_ptr, l_slot_rank_ptr,
+            pair, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), expert, pid_n * BLOCK_N,
+            ly_ptr, lb_ptr, l_row_slot_ptr, l_row_slot_ptr + l_num_rows + pid_m, l_slot_rank_ptr,
             N, LORA_R, LORA_B_EXPERTS, stride_ly, stride_lbs, stride_lbe, stride_lbn,
             LORA_SLICES, BLOCK_N, LORA_BLOCK_R,
         )  # fmt: skip
@@ -870,7 +870,7 @@ def grouped_gemm(
         scale.stride(0) if w_scale is not None else 0,
         scale.stride(1) if w_scale is not None else 0,
         out.stride(0),
-        *_lora_arguments(lora, out, align.num_pairs, n),
+        *_lora_arguments(lora, out, align, n),
         BN=bn, BK=bk, SCHEME=WEIGHT_SCHEMES[scheme],
         SCALE_TILES=scheme == "block" and align.block_m >= SCALE_TILES_MIN_ROWS,
         BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -930,17 +930,18 @@ def _row_tile_arguments(
 
 
 def _lora_arguments(
-    lora: MoeLoraEpilogue | None, out: torch.Tensor, num_pairs: int, n: int
+    lora: MoeLoraEpilogue | None, out: torch.Tensor, align: MoEAlignment | PairTiles, n: int
 ) -> tuple:
-    """The kernel's l*/L* arguments: the epilogue's tensors and strides, or placeholders
-    (never read: LORA_SLICES 0) without one."""
+    """The kernel's l*/L* arguments: the epilogue's tensors and strides with the slots of
+    the alignment's sorted rows (one launch), or placeholders (never read: LORA_SLICES 0)
+    without one. Only an alignment's row tiles take LoRA (`_row_tile_arguments`)."""
     if lora is None:
-        return (out, out, out, out, out, 0, 1, 0, 0, 0, 0)
-    lora.check(num_pairs, n)
-    b = lora.b
+        return (out, out, out, out, 0, 1, 0, 0, 0, 0, 0)
+    lora.check(align.num_pairs, n)
+    b, order = lora.b, align.sorted_pair_ids
     return (
-        lora.y, b, lora.pair_token, lora.token_slot, lora.slot_rank, b.shape[3], b.shape[1],
-        lora.y.stride(0), b.stride(0), b.stride(1), b.stride(2),
+        lora.y, b, sorted_row_slots(order, align.block_m, lora), lora.slot_rank, b.shape[3],
+        b.shape[1], order.shape[0], lora.y.stride(0), b.stride(0), b.stride(1), b.stride(2),
     )  # fmt: skip
 
 

@@ -538,6 +538,37 @@ class MoeLoraEpilogue:
         return _expand_ref(y, self.b, slot, _experts(self.b, expert), self.slot_rank)
 
 
+def sorted_row_slots(order: Tensor, block_m: int, lora: MoeLoraEpilogue) -> Tensor:
+    """int32 [len(order) + tiles]: first token_slot[pair_token[p]] of each pair p of the
+    GEMM's sorted pair order `order` (int32, padded with ids ≥ the pair count; -1 for
+    padding and for tokens without an adapter), then each row tile's least slot (NO_KEY
+    when none), tiles of block_m rows. The epilogue reads a tile's slots and its first
+    slot each in one load."""
+    rows = order.shape[0]
+    tiles = rows // block_m
+    out = torch.empty(rows + tiles, dtype=torch.int32, device=order.device)
+    if tiles:
+        fast(_sorted_row_slots_kernel)[(tiles,)](
+            order, lora.pair_token, lora.token_slot, out, lora.pair_token.shape[0], rows,
+            BLOCK_M=block_m,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit(do_not_specialize=["num_pairs", "rows"])
+def _sorted_row_slots_kernel(
+    order_ptr, pair_token_ptr, token_slot_ptr, out_ptr, num_pairs, rows, BLOCK_M: tl.constexpr
+):
+    grid_dependency_control()
+    tile = tl.program_id(0)
+    offs = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(order_ptr + offs)
+    tok = tl.load(pair_token_ptr + pair, mask=pair < num_pairs, other=-1)
+    slot = tl.load(token_slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)
+    tl.store(out_ptr + offs, slot)
+    tl.store(out_ptr + rows + tile, _next_key(slot, -1))
+
+
 @triton.jit
 def _pair_y(y_ptr, pair, slot, slice_idx, offs_r, R, stride_yp, wanted):
     """y [m, r] of `pair`'s rows in slice `slice_idx`, rank columns `offs_r`: zero past the
@@ -566,13 +597,13 @@ def _slot_b(
 @triton.jit
 def first_pair_lora(
     pair,
-    real,
+    rows,
     expert,
     n_start,
     y_ptr,
     b_ptr,
-    pair_token_ptr,
-    token_slot_ptr,
+    row_slot_ptr,
+    first_slot_ptr,
     slot_rank_ptr,
     N,
     R,
@@ -587,17 +618,20 @@ def first_pair_lora(
 ):
     """What `add_pair_lora` needs first, loaded before the GEMM's K loop so that its
     latency hides behind the loop (a prompt-length tile is one program an SM: after the
-    loop nothing else would cover it). Returns (slot [m] of each row, -1 without work;
-    the tile's first slice; its first slot, NO_KEY when none; y [m, r] of the slice's
-    first rank block in B's dtype, zero for rows without work; the first slot's B [r, n]
-    over the tile's columns of the slice, zero past the slot's rank)."""
-    tok = tl.load(pair_token_ptr + pair, mask=real, other=-1)
-    slot = tl.load(token_slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)  # [m]
+    loop nothing else would cover it). `rows`: the tile's positions in the sorted pair
+    order, whose slots `sorted_row_slots` stored with the tile's first slot (at
+    `first_slot_ptr`): the first slot's B load waits on one load, where the chain pair →
+    token → slot and a reduction held the K loop's first loads back.
+    Returns (slot [m] of each row, -1 without work; the tile's first slice; its first
+    slot, NO_KEY when none; y [m, r] of the slice's first rank block in B's dtype, zero
+    for rows without work; the first slot's B [r, n] over the tile's columns of the
+    slice, zero past the slot's rank)."""
+    slot = tl.load(row_slot_ptr + rows)  # [m]
+    first_slot = tl.load(first_slot_ptr)
     width = N // SLICES
     first_slice = tl.minimum(n_start // width, SLICES - 1)
     offs_r = tl.arange(0, BLOCK_R)
     y = _pair_y(y_ptr, pair, slot, first_slice, offs_r, R, stride_yp, True)
-    first_slot = _next_key(slot, -1)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     in_slice = (offs_n >= first_slice * width) & (offs_n < (first_slice + 1) * width)
     b = _slot_b(

@@ -12,11 +12,14 @@ from kernels import fused_moe as fm
 from kernels import moe_lora
 from kernels.lora_segments import build_lora_segments
 from kernels.moe_lora import (
+    NO_KEY,
+    MoeLoraEpilogue,
     moe_lora_down_ref,
     moe_lora_epilogue,
     moe_lora_epilogue_ref,
     moe_lora_gate_up_ref,
     shrink_keys,
+    sorted_row_slots,
 )
 from tests.fixtures.triton_interpret import kernel_device
 from tests.kernels.lora_cases import POPULARITIES, assert_close, mixed_ranks, popular_slots
@@ -220,6 +223,38 @@ def test_epilogue_that_does_not_fit_the_gemm_is_refused() -> None:
         moe_lora_epilogue_ref(
             act[:-1], t["A_d"], t["B_d"], pair_token, ids.flatten().int(), segs, x_per_pair=True
         )
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_sorted_row_slots_follow_pair_token_slot(block_m) -> None:  # type: ignore[no-untyped-def]
+    """The slots the epilogue reads per tile: token_slot[pair_token[p]] of each sorted row,
+    -1 for the alignment's padding, for padding pairs and for tokens without an adapter,
+    then each tile's least slot, NO_KEY for a tile where no row has one."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, experts, top_k = 37, 5, 2
+    ids, _ = routing(tokens, experts, top_k, "skewed", seed=11)
+    # expert 0 only takes tokens without an adapter: its tiles have no slot at all
+    token_slot = torch.randint(0, 7, (tokens,), generator=gen, dtype=torch.int32)
+    token_slot[(ids == 0).any(1)] = -1
+    pair_token = (torch.arange(ids.numel()) // top_k).int()
+    pair_token[-3:] = -1  # padding pairs of a captured step
+    align = fm.moe_align(ids.to(DEVICE), experts, block_m)
+    order = align.sorted_pair_ids.cpu().long()
+    y, b = torch.zeros(ids.numel(), 16), torch.zeros(7, experts, 8, 16)  # not read here
+    slot_rank = torch.full((7,), 16, dtype=torch.int32)
+    lora = MoeLoraEpilogue(y, b, *_to(DEVICE, pair_token, token_slot, slot_rank))
+
+    got = sorted_row_slots(align.sorted_pair_ids, block_m, lora).cpu()
+
+    real = order < ids.numel()
+    tok = torch.where(real, pair_token[order.clamp(max=ids.numel() - 1)], -1)
+    want_rows = torch.where(tok >= 0, token_slot[tok.clamp(min=0)], -1)
+    tiles = want_rows.view(-1, block_m)
+    want_first = torch.where(tiles >= 0, tiles, NO_KEY.value).amin(1)
+    assert torch.equal(got[: order.numel()], want_rows.int())
+    assert torch.equal(got[order.numel() :], want_first.int())
+    assert (want_first == NO_KEY.value).any() and (want_first < NO_KEY.value).any()
+    assert (want_rows == -1).any() and (want_rows >= 0).any()
 
 
 class _NotLaunched:
