@@ -541,7 +541,7 @@ def _grouped_gemm_kernel(
     pair_ids_ptr, sel_logits_ptr, sel_bias_ptr, sel_weights_ptr, num_experts, sel_scaling,
     N, K, num_pairs, rows_per_a,
     stride_am, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    ly_ptr, lb_ptr, l_row_slot_ptr, l_slot_rank_ptr, LORA_R, LORA_B_EXPERTS, l_num_rows,
+    ly_ptr, lb_ptr, l_row_slot_ptr, l_slot_rank_ptr, LORA_R, LORA_B_EXPERTS,
     stride_ly, stride_lbs, stride_lbe, stride_lbn,
     BN: tl.constexpr, BK: tl.constexpr, SCHEME: tl.constexpr, SCALE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -595,9 +595,11 @@ def _grouped_gemm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if LORA_SLICES > 0:
+        # `sorted_row_slots`: the rows' slots (one row tile a program), then a slot a tile.
+        l_first_slot_ptr = l_row_slot_ptr + tl.num_programs(0) * BLOCK_M + pid_m
         l_slot, l_first_slice, l_first_slot, l_first_y, l_first_b = first_pair_lora(
             pair, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), expert, pid_n * BLOCK_N,
-            ly_ptr, lb_ptr, l_row_slot_ptr, l_row_slot_ptr + l_num_rows + pid_m, l_slot_rank_ptr,
+            ly_ptr, lb_ptr, l_row_slot_ptr, l_first_slot_ptr, l_slot_rank_ptr,
             N, LORA_R, LORA_B_EXPERTS, stride_ly, stride_lbs, stride_lbe, stride_lbn,
             LORA_SLICES, BLOCK_N, LORA_BLOCK_R,
         )  # fmt: skip
@@ -936,12 +938,13 @@ def _lora_arguments(
     the alignment's sorted rows (one launch), or placeholders (never read: LORA_SLICES 0)
     without one. Only an alignment's row tiles take LoRA (`_row_tile_arguments`)."""
     if lora is None:
-        return (out, out, out, out, 0, 1, 0, 0, 0, 0, 0)
+        return (out, out, out, out, 0, 1, 0, 0, 0, 0)
     lora.check(align.num_pairs, n)
-    b, order = lora.b, align.sorted_pair_ids
+    b = lora.b
     return (
-        lora.y, b, sorted_row_slots(order, align.block_m, lora), lora.slot_rank, b.shape[3],
-        b.shape[1], order.shape[0], lora.y.stride(0), b.stride(0), b.stride(1), b.stride(2),
+        lora.y, b, sorted_row_slots(align.sorted_pair_ids, align.block_m, lora),
+        lora.slot_rank, b.shape[3], b.shape[1], lora.y.stride(0), b.stride(0), b.stride(1),
+        b.stride(2),
     )  # fmt: skip
 
 

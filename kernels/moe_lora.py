@@ -549,18 +549,19 @@ def sorted_row_slots(order: Tensor, block_m: int, lora: MoeLoraEpilogue) -> Tens
     out = torch.empty(rows + tiles, dtype=torch.int32, device=order.device)
     if tiles:
         fast(_sorted_row_slots_kernel)[(tiles,)](
-            order, lora.pair_token, lora.token_slot, out, lora.pair_token.shape[0], rows,
+            order, lora.pair_token, lora.token_slot, out, lora.pair_token.shape[0],
             BLOCK_M=block_m,
         )  # fmt: skip
     return out
 
 
-@triton.jit(do_not_specialize=["num_pairs", "rows"])
+@triton.jit(do_not_specialize=["num_pairs"])
 def _sorted_row_slots_kernel(
-    order_ptr, pair_token_ptr, token_slot_ptr, out_ptr, num_pairs, rows, BLOCK_M: tl.constexpr
+    order_ptr, pair_token_ptr, token_slot_ptr, out_ptr, num_pairs, BLOCK_M: tl.constexpr
 ):
     grid_dependency_control()
     tile = tl.program_id(0)
+    rows = tl.num_programs(0) * BLOCK_M  # one program a tile
     offs = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(order_ptr + offs)
     tok = tl.load(pair_token_ptr + pair, mask=pair < num_pairs, other=-1)

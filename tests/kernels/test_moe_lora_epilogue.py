@@ -246,9 +246,8 @@ def test_sorted_row_slots_follow_pair_token_slot(block_m) -> None:  # type: igno
 
     got = sorted_row_slots(align.sorted_pair_ids, block_m, lora).cpu()
 
-    real = order < ids.numel()
-    tok = torch.where(real, pair_token[order.clamp(max=ids.numel() - 1)], -1)
-    want_rows = torch.where(tok >= 0, token_slot[tok.clamp(min=0)], -1)
+    padded_token = torch.cat([pair_token, torch.tensor([-1], dtype=torch.int32)])  # [P + 1]
+    want_rows = moe_lora._pair_slots(padded_token[order.clamp(max=ids.numel())], token_slot)
     tiles = want_rows.view(-1, block_m)
     want_first = torch.where(tiles >= 0, tiles, NO_KEY.value).amin(1)
     assert torch.equal(got[: order.numel()], want_rows.int())
